@@ -1,0 +1,45 @@
+"""Typed errors. Every message names the tensor, the rank and what was expected vs found."""
+
+from __future__ import annotations
+
+
+class ShardsyncError(Exception):
+    """Base class of every error shardsync raises on purpose."""
+
+
+class UnsupportedLoaderOp(ShardsyncError):
+    """A weight loader did something to a checkpoint tensor that cannot be replayed as a view.
+
+    Raised while recording a plan (at initialisation), never during a sync.
+    """
+
+    def __init__(self, *, tensor: str, op: str, chain: str, rank: int | None = None, detail: str = ""):
+        self.tensor, self.op, self.chain, self.rank = tensor, op, chain, rank
+        where = f" on consumer rank {rank}" if rank is not None else ""
+        msg = (
+            f"weight loader applied unsupported op {op!r} to checkpoint tensor {tensor!r}{where}; "
+            f"op chain so far: {chain or '<none>'}"
+        )
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class PlanError(ShardsyncError):
+    """A plan is malformed, does not match its metadata, or fails its consistency check."""
+
+
+class MetadataMismatch(ShardsyncError):
+    """Two sides disagree about tensor names, shapes or dtypes (or their digests differ)."""
+
+
+class CoverageError(PlanError):
+    """Destination parameters are filled only partly (or not at all) by a plan that must cover them."""
+
+
+class TransportError(ShardsyncError):
+    """A transfer failed or a peer did not answer within its timeout."""
+
+
+class SyncError(ShardsyncError):
+    """A sync could not be applied (bad input tensor, wrong version, missing data)."""

@@ -1,0 +1,169 @@
+"""Byte-exact packed layout of one weight group, computed identically on both sides.
+
+The producer replays each scatter's op chain on the full tensor and writes the slice, converted to
+the destination dtype, at its aligned offset in one contiguous byte buffer; the consumer views the
+same offsets and copies them into its parameters. Copies are batched with ``torch._foreach_copy_``
+(one call per chunk on each side), never one Python-level copy per slice::
+
+    layout = layout_group(plan.group("model.layers.0"))
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    GroupPacker(plan.group("model.layers.0"), layout).pack(full_tensors, buf)
+    GroupUnpacker(plan.group("model.layers.0"), layout).unpack(buf, params)
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import msgspec
+import torch
+
+from .errors import PlanError, SyncError
+from .types import GroupPlan, Scatter, dtype_of, itemsize
+from . import opcodec
+
+__all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "GroupPacker", "GroupUnpacker"]
+
+ALIGN = 64
+"""Every slice starts at a multiple of this many bytes (vectorised copies, GPU-friendly)."""
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+class Chunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A contiguous byte range of a group buffer: one pull."""
+
+    index: int
+    start: int
+    """First byte (aligned)."""
+    nbytes: int
+    first: int
+    """First scatter index in the chunk."""
+    stop: int
+    """One past the last scatter index in the chunk."""
+
+
+class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """Offsets of every scatter of one group and the chunks they are pulled in."""
+
+    group: str
+    offsets: tuple[int, ...]
+    """Byte offset of scatter i in the group buffer."""
+    chunks: tuple[Chunk, ...]
+    nbytes: int
+    """Total buffer size, alignment padding included."""
+
+
+def layout_group(g: GroupPlan, *, align: int = ALIGN, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> GroupLayout:
+    """Pure: aligned offsets in recorded order, cut into chunks of at most ``max_chunk_bytes``
+    (a single slice larger than that gets a chunk of its own)."""
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    offsets: list[int] = []
+    chunks: list[Chunk] = []
+    pos = start = first = 0
+    for i, s in enumerate(g.scatters):
+        n = s.nbytes
+        off = _align(pos, align)
+        if i > first and off + n - start > max_chunk_bytes:
+            chunks.append(Chunk(index=len(chunks), start=start, nbytes=pos - start, first=first, stop=i))
+            start = off
+            first = i
+        offsets.append(off)
+        pos = off + n
+    if g.scatters:
+        chunks.append(Chunk(index=len(chunks), start=start, nbytes=pos - start, first=first, stop=len(g.scatters)))
+    return GroupLayout(group=g.name, offsets=tuple(offsets), chunks=tuple(chunks), nbytes=_align(pos, align))
+
+
+def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
+    """The slice a scatter takes of ``full``: one strided view when the plan folded the chain,
+    else the recorded op chain replayed op by op."""
+    if s.view is not None and full.is_contiguous():
+        v = s.view
+        return full.as_strided(v.shape, v.stride, full.storage_offset() + v.offset)
+    t = full
+    for op in s.ops:
+        args = tuple(opcodec.decode(a) for a in op.args)
+        kwargs = {k: opcodec.decode(v) for k, v in op.kwargs.items()}
+        if op.name in ("T", "mT", "data"):
+            t = getattr(t, op.name)
+        elif op.fn:
+            t = getattr(torch, op.name)(t, *args, **kwargs)
+        else:
+            t = getattr(torch.Tensor, op.name)(t, *args, **kwargs)
+        if op.out >= 0:
+            t = t[op.out]
+    return t
+
+
+def dst_view(param: torch.Tensor, s: Scatter) -> torch.Tensor:
+    """The region of ``param`` that scatter ``s`` writes, as a tensor of ``s.dst_dtype``."""
+    dt = dtype_of(s.dst_dtype)
+    base_byte = param.storage_offset() * param.element_size() + s.dst_byte_offset
+    if base_byte % dt.itemsize:
+        raise PlanError(f"scatter {s.src!r} -> {s.dst!r}: byte offset {base_byte} not a multiple of {dt}")
+    p = param.detach()
+    try:
+        if dt == p.dtype:
+            return p.as_strided(s.shape, s.dst_stride, base_byte // dt.itemsize)
+        return torch.empty(0, dtype=dt, device=p.device).set_(
+            p.untyped_storage(), base_byte // dt.itemsize, s.shape, s.dst_stride)
+    except RuntimeError as e:
+        raise PlanError(f"scatter {s.src!r} -> {s.dst!r}: destination region {s.dst_dtype}{list(s.shape)} "
+                        f"at byte {s.dst_byte_offset} does not fit the parameter "
+                        f"{str(param.dtype)}{list(param.shape)}: {e}") from None
+
+
+def _packed_view(buf: torch.Tensor, off: int, s: Scatter) -> torch.Tensor:
+    return buf[off: off + s.nbytes].view(dtype_of(s.dst_dtype)).view(s.shape)
+
+
+class GroupPacker:
+    """Producer side of one group of one plan: replay + pack."""
+
+    def __init__(self, g: GroupPlan, layout: GroupLayout):
+        self.g, self.layout = g, layout
+
+    def pack(self, full: Mapping[str, torch.Tensor], buf: torch.Tensor, chunk: Chunk | None = None,
+             *, base: int = 0) -> None:
+        """Write the slices of ``chunk`` (all chunks if None) into ``buf``, whose byte 0 is group byte
+        ``base`` (so a chunk-sized buffer takes ``base=chunk.start``)."""
+        chunks = self.layout.chunks if chunk is None else (chunk,)
+        for c in chunks:
+            dsts, srcs = [], []
+            for i in range(c.first, c.stop):
+                s = self.g.scatters[i]
+                t = full.get(s.src)
+                if t is None:
+                    raise SyncError(f"group {self.g.name!r}: full tensor {s.src!r} missing on the producer")
+                dsts.append(_packed_view(buf, self.layout.offsets[i] - base, s))
+                srcs.append(replay(s, t))
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+
+
+class GroupUnpacker:
+    """Consumer side of one group of one plan: unpack + scatter into the parameters."""
+
+    def __init__(self, g: GroupPlan, layout: GroupLayout):
+        self.g, self.layout = g, layout
+
+    def unpack(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
+               *, base: int = 0) -> None:
+        chunks = self.layout.chunks if chunk is None else (chunk,)
+        with torch.no_grad():
+            for c in chunks:
+                dsts, srcs = [], []
+                for i in range(c.first, c.stop):
+                    s = self.g.scatters[i]
+                    p = params.get(s.dst)
+                    if p is None:
+                        raise SyncError(f"group {self.g.name!r}: destination parameter {s.dst!r} not found")
+                    dsts.append(dst_view(p, s))
+                    srcs.append(_packed_view(buf, self.layout.offsets[i] - base, s))
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
