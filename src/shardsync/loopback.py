@@ -14,9 +14,9 @@ from typing import Callable, Mapping, Sequence
 import msgspec
 import torch
 
-from .errors import MetadataMismatch, PlanError
+from .errors import MetadataMismatch
 from .groups import group_order
-from .pack import DEFAULT_CHUNK_BYTES, GroupPacker, GroupUnpacker, dst_view, layout_group
+from .pack import DEFAULT_CHUNK_BYTES, GroupPacker, GroupUnpacker, check_dests, layout_group
 from .source import WeightSource, check_tensor
 from .types import Plan, metadata_digest
 
@@ -47,11 +47,7 @@ class LocalConsumer:
         self.plan, self.params, self.on_group = plan, params, on_group
         self.layouts = {g.name: layout_group(g, max_chunk_bytes=max_chunk_bytes) for g in plan.groups}
         self.unpackers = {g.name: GroupUnpacker(g, self.layouts[g.name]) for g in plan.groups}
-        for g in plan.groups:  # fail at init, not mid-sync, if a destination is missing or does not fit
-            for s in g.scatters:
-                if s.dst not in params:
-                    raise PlanError(f"consumer {plan.consumer!r}: plan writes parameter {s.dst!r}, which it lacks")
-                dst_view(params[s.dst], s)
+        check_dests(plan, params)  # fail at init, not mid-sync, if a destination is missing or differs
         self.bytes_received = 0
         self.wire_bytes_received = 0
 

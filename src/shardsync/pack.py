@@ -19,10 +19,10 @@ import msgspec
 import torch
 
 from .errors import PlanError, SyncError
-from .types import GroupPlan, Scatter, dtype_of, itemsize
+from .types import DestParam, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
 
-__all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "GroupPacker", "GroupUnpacker"]
+__all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker", "GroupUnpacker"]
 
 ALIGN = 64
 """Every slice starts at a multiple of this many bytes (vectorised copies, GPU-friendly)."""
@@ -116,6 +116,19 @@ def dst_view(param: torch.Tensor, s: Scatter) -> torch.Tensor:
         raise PlanError(f"scatter {s.src!r} -> {s.dst!r}: destination region {s.dst_dtype}{list(s.shape)} "
                         f"at byte {s.dst_byte_offset} does not fit the parameter "
                         f"{str(param.dtype)}{list(param.shape)}: {e}") from None
+
+
+def check_dests(plan: "Plan", params: Mapping[str, torch.Tensor]) -> None:
+    """Raise PlanError unless every parameter the plan writes exists with its recorded layout."""
+    for d in plan.dests:
+        p = params.get(d.name)
+        if p is None:
+            raise PlanError(f"consumer {plan.consumer!r}: plan writes parameter {d.name!r}, which it lacks")
+        found = DestParam.of(d.name, p)
+        if found != d:
+            raise PlanError(f"consumer {plan.consumer!r}: parameter {d.name!r} is {found.dtype}{list(found.shape)} "
+                            f"stride {list(found.stride)}, the plan was recorded for {d.dtype}{list(d.shape)} "
+                            f"stride {list(d.stride)}")
 
 
 def _packed_view(buf: torch.Tensor, off: int, s: Scatter) -> torch.Tensor:

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_map
 from . import opcodec
 from .errors import UnsupportedLoaderOp
 from .groups import group_order, weight_group
-from .types import GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
+from .types import DestParam, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
 
 __all__ = ["RecordingTensor", "Recorder", "record_plan", "DestinationResolver"]
 
@@ -55,8 +55,8 @@ def _op_name(func: Callable) -> tuple[str, bool]:
     return name, getattr(torch.Tensor, name, None) is not func and getattr(torch, name, None) is func
 
 
-DestinationResolver = Callable[[torch.Tensor], "tuple[str, int] | None"]
-"""Maps a real destination tensor to (parameter name, byte offset from the parameter's start)."""
+DestinationResolver = Callable[[torch.Tensor], "tuple[str, int, torch.Tensor] | None"]
+"""Maps a real destination tensor to (parameter name, byte offset from its first byte, the parameter)."""
 
 
 def storage_resolver(params: Mapping[str, torch.Tensor]) -> DestinationResolver:
@@ -67,12 +67,12 @@ def storage_resolver(params: Mapping[str, torch.Tensor]) -> DestinationResolver:
         if ptr and ptr not in by_ptr:
             by_ptr[ptr] = (name, p)
 
-    def resolve(dest: torch.Tensor) -> tuple[str, int] | None:
+    def resolve(dest: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
         hit = by_ptr.get(dest.untyped_storage().data_ptr())
         if hit is None:
             return None
         name, p = hit
-        return name, dest.storage_offset() * dest.element_size() - p.storage_offset() * p.element_size()
+        return name, dest.storage_offset() * dest.element_size() - p.storage_offset() * p.element_size(), p
 
     return resolve
 
@@ -85,6 +85,7 @@ class Recorder:
         self.rank = rank
         self.device = torch.device(device)
         self.scatters: list[Scatter] = []
+        self.dests: dict[str, DestParam] = {}
 
     def tensor(self, meta: ParamMeta) -> "RecordingTensor":
         base = torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device="meta")
@@ -103,7 +104,8 @@ class Recorder:
         if hit is None:
             raise self.error(src, op, f"destination of shape {tuple(dest.shape)} is not a registered "
                                       "parameter (a temporary buffer?): the copy cannot be replayed")
-        param, byte_offset = hit
+        param, byte_offset, p = hit
+        self.dests.setdefault(param, DestParam.of(param, p))
         view = None
         if src._alias is not None and src._alias.dtype == src._root.dtype:
             a = src._alias
@@ -245,11 +247,12 @@ def record_plan(
         resolve = storage_resolver(params)
     recorder = Recorder(resolve, rank=rank, device=device)
     load_weights((m.name, recorder.tensor(m)) for m in metadata)
-    return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of)
+    return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,
+                      dests=tuple(recorder.dests.values()))
 
 
 def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, consumer: str = "",
-               group_of: Callable[[str], str] = weight_group) -> Plan:
+               group_of: Callable[[str], str] = weight_group, dests: tuple[DestParam, ...] = ()) -> Plan:
     """Group recorded scatters by weight group and seal the plan (pure)."""
     by_group: dict[str, list[Scatter]] = defaultdict(list)
     for s in scatters:
@@ -263,4 +266,4 @@ def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, co
         groups.append(GroupPlan(name=g, scatters=ss, nbytes=sum(s.nbytes for s in ss), sources=sources))
     unneeded = tuple(m.name for m in metadata if m.name not in used)
     return Plan(consumer=consumer, meta_digest=metadata_digest(metadata), groups=tuple(groups),
-                unneeded=unneeded).sealed()
+                unneeded=unneeded, dests=tuple(sorted(dests, key=lambda d: d.name))).sealed()

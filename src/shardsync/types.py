@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 __all__ = [
-    "ParamMeta", "Op", "StridedView", "Scatter", "GroupPlan", "Plan",
+    "ParamMeta", "DestParam", "Op", "StridedView", "Scatter", "GroupPlan", "Plan",
     "dtype_name", "dtype_of", "metadata_digest", "digest_of",
 ]
 
@@ -162,6 +162,19 @@ class GroupPlan(_Record):
     """Checkpoint names this group needs, in metadata order."""
 
 
+class DestParam(_Record):
+    """Layout of one destination parameter as seen when the plan was recorded."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> "DestParam":
+        return cls(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), stride=tuple(t.stride()))
+
+
 class Plan(_Record):
     """One consumer's plan: what it needs of every checkpoint tensor and where it goes."""
 
@@ -173,11 +186,13 @@ class Plan(_Record):
     """Weight groups in transfer order (pre, layers ascending, post)."""
     unneeded: tuple[str, ...]
     """Checkpoint names that never reached a ``copy_`` on this consumer: never sent to it."""
+    dests: tuple[DestParam, ...] = ()
+    """Every parameter the plan writes, with the layout it had at recording time (checked at apply)."""
     digest: str = ""
     """Content digest of everything above except ``consumer``; filled by :meth:`sealed`."""
 
     def content_digest(self) -> str:
-        return digest_of([self.meta_digest, self.groups, self.unneeded])
+        return digest_of([self.meta_digest, self.groups, self.unneeded, self.dests])
 
     def sealed(self) -> "Plan":
         return msgspec.structs.replace(self, digest=self.content_digest())

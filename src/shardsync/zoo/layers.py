@@ -104,12 +104,13 @@ class VocabParallelEmbedding(nn.Module):
         padded = -(-vocab // pad_to) * pad_to
         padded = -(-padded // tp_size) * tp_size
         self.rows = padded // tp_size
-        self.start = tp_rank * self.rows
-        self.n = max(0, min(vocab - self.start, self.rows))
+        self.start = min(tp_rank * self.rows, vocab)
+        self.n = min(vocab - self.start, self.rows)
         self.weight = _param(self.rows, hidden, dtype=dtype)
 
     def weight_loader(self, param: torch.Tensor, w: torch.Tensor) -> None:
-        param.data[: self.n].copy_(w.narrow(0, self.start, self.n))
+        if self.n:
+            param.data[: self.n].copy_(w.narrow(0, self.start, self.n))
         param.data[self.n:].fill_(0)
 
 

@@ -1,0 +1,184 @@
+"""RecordingTensor: every supported view-like op replays bit-exactly; everything else is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import raw
+from shardsync.coverage import check_coverage
+from shardsync.errors import CoverageError, UnsupportedLoaderOp
+from shardsync.loopback import LocalConsumer, loopback_sync
+from shardsync.pack import replay
+from shardsync.record import RecordingTensor, record_plan
+from shardsync.source import ModuleSource
+from shardsync.types import ParamMeta
+
+W = torch.arange(2 * 6 * 8, dtype=torch.float32).reshape(2, 6, 8).to(torch.bfloat16) + 0.5
+
+CHAINS = {
+    "narrow": lambda w: w.narrow(1, 2, 3),
+    "torch.narrow": lambda w: torch.narrow(w, 2, 1, 5),
+    "view": lambda w: w.view(12, 8),
+    "view_dtype": lambda w: w.view(torch.int16),
+    "view_dtype_wider": lambda w: w.view(torch.int32),
+    "reshape_view": lambda w: w.reshape(-1, 4),
+    "reshape_copy": lambda w: w.transpose(1, 2).reshape(2, 48),
+    "transpose": lambda w: w.transpose(0, 2),
+    "t": lambda w: w[0].t(),
+    "T_property": lambda w: w[1].T,
+    "mT": lambda w: w.mT,
+    "permute": lambda w: w.permute(2, 0, 1),
+    "flatten": lambda w: w.flatten(1),
+    "unflatten": lambda w: w.unflatten(2, (2, 4)),
+    "squeeze_unsqueeze": lambda w: w.unsqueeze(0).unsqueeze(3).squeeze(0).squeeze(2),
+    "contiguous_after_t": lambda w: w[0].t().contiguous(),
+    "chunk": lambda w: w.chunk(3, dim=1)[2],
+    "torch.chunk": lambda w: torch.chunk(w, 2, 2)[1],
+    "split_size": lambda w: w.split(4, dim=2)[1],
+    "split_sizes": lambda w: w.split([1, 2, 3], dim=1)[1],
+    "torch.split": lambda w: torch.split(w, [5, 3], dim=2)[0],
+    "unbind": lambda w: w.unbind(0)[1],
+    "select": lambda w: w.select(1, 4),
+    "getitem_int": lambda w: w[1],
+    "getitem_slices": lambda w: w[:, 1:5:2, ::3],
+    "getitem_ellipsis_none": lambda w: w[..., None, 2:6],
+    "getitem_negative": lambda w: w[-1, -2],
+    "expand": lambda w: w[:, :1].expand(2, 4, 8),
+    "movedim": lambda w: w.movedim(0, 2),
+    "swapaxes": lambda w: w.swapaxes(0, 1),
+    "detach_clone": lambda w: w.detach().clone().narrow(0, 1, 1),
+    "view_as": lambda w: w.view_as(torch.empty(48, 2)),
+    "long_chain": lambda w: w.transpose(0, 1).narrow(0, 1, 4).chunk(2, dim=0)[1].reshape(2, -1)[:, 3:],
+}
+
+
+def _record_single(chain, w=W, dest_dtype=None):
+    ref_slice = chain(w)
+    dest = torch.zeros(ref_slice.shape, dtype=dest_dtype or ref_slice.dtype)
+    params = {"p": dest}
+    meta = [ParamMeta.of("ckpt", w)]
+    plan = record_plan(metadata=meta, load_weights=lambda ws: [params["p"].copy_(chain(t)) for _, t in ws],
+                       params=params)
+    return plan, ref_slice
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_view_op_replays_bit_exact(name: str) -> None:
+    plan, ref = _record_single(CHAINS[name])
+    (s,) = plan.groups[0].scatters
+    got = replay(s, W)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert torch.equal(raw(got), raw(ref))
+    # end to end: pack + unpack into a fresh destination equals the loader's copy
+    live = {"p": torch.zeros(ref.shape, dtype=ref.dtype)}
+    loopback_sync(ModuleSource({"ckpt": W}), [LocalConsumer(plan, live)])
+    assert torch.equal(raw(live["p"]), raw(ref))
+
+
+def test_strided_views_are_folded_and_copies_are_not() -> None:
+    folded = _record_single(lambda w: w.transpose(0, 1).narrow(0, 1, 4).chunk(2, dim=0)[1][:, :, 3:])
+    assert folded[0].groups[0].scatters[0].view is not None
+    assert _record_single(CHAINS["long_chain"])[0].groups[0].scatters[0].view is None
+    assert _record_single(CHAINS["reshape_copy"])[0].groups[0].scatters[0].view is None
+    assert _record_single(CHAINS["view_dtype"])[0].groups[0].scatters[0].view is None
+
+
+@pytest.mark.parametrize("dest_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtype_converting_copy(dest_dtype) -> None:
+    w = torch.randn(5, 7, dtype=torch.float32) * 3
+    plan, _ = _record_single(lambda t: t.narrow(1, 1, 4), w=w, dest_dtype=dest_dtype)
+    s = plan.groups[0].scatters[0]
+    assert (s.src_dtype, s.dst_dtype) == ("float32", str(dest_dtype).removeprefix("torch."))
+    ref = torch.zeros(5, 4, dtype=dest_dtype)
+    ref.copy_(w.narrow(1, 1, 4))
+    live = {"p": torch.zeros(5, 4, dtype=dest_dtype)}
+    loopback_sync(ModuleSource({"ckpt": w}), [LocalConsumer(plan, live)])
+    assert torch.equal(raw(live["p"]), raw(ref))
+
+
+def test_setitem_into_parameter_is_recorded() -> None:
+    w = torch.randn(6, 4).to(torch.bfloat16)
+    params = {"p": torch.zeros(10, 4, dtype=torch.bfloat16)}
+
+    def load(ws):
+        for _, t in ws:
+            params["p"][2:8] = t
+    plan = record_plan(metadata=[ParamMeta.of("ckpt", w)], load_weights=load, params=params)
+    (s,) = plan.groups[0].scatters
+    assert s.dst_byte_offset == 2 * 4 * 2 and s.shape == (6, 4)
+    live = {"p": torch.zeros(10, 4, dtype=torch.bfloat16)}
+    loopback_sync(ModuleSource({"ckpt": w}), [LocalConsumer(plan, live)])
+    assert torch.equal(raw(live["p"][2:8]), raw(w)) and not live["p"][:2].any() and not live["p"][8:].any()
+
+
+def test_metadata_queries_do_not_record() -> None:
+    seen = {}
+
+    def load(ws):
+        for _, t in ws:
+            seen.update(shape=tuple(t.shape), size=t.size(0), dim=t.dim(), numel=t.numel(), dtype=t.dtype,
+                        device=t.device, contig=t.is_contiguous(), ndim=t.ndim, stride=t.stride(), r=repr(t))
+            params["p"].copy_(t)
+    params = {"p": torch.zeros(3, 4)}
+    plan = record_plan(metadata=[ParamMeta(name="x", dtype="float32", shape=(3, 4))], load_weights=load, params=params)
+    assert seen["shape"] == (3, 4) and seen["size"] == 3 and seen["numel"] == 12 and seen["dtype"] == torch.float32
+    assert seen["device"] == torch.device("cpu") and seen["stride"] == (4, 1) and "RecordingTensor('x'" in seen["r"]
+    assert plan.groups[0].scatters[0].ops == ()
+
+
+UNSUPPORTED = {
+    "add": lambda t, p: p.copy_(t + 1),
+    "mul_inplace": lambda t, p: t.mul_(2),
+    "to_dtype": lambda t, p: p.copy_(t.to(torch.float32)),
+    "float": lambda t, p: p.copy_(t.float()),
+    "item": lambda t, p: t[0, 0].item(),
+    "tolist": lambda t, p: t.tolist(),
+    "bool": lambda t, p: bool(t[0, 0]),
+    "cat": lambda t, p: p.copy_(torch.cat([t[:1], t[1:]])),
+    "broadcast_copy": lambda t, p: p.copy_(t[:1]),
+    "copy_into_temporary": lambda t, p: torch.zeros_like(p).copy_(t),
+    "advanced_index": lambda t, p: p.copy_(t[[0, 1, 2]]),
+    "exp": lambda t, p: p.copy_(torch.exp(t)),
+    "copy_into_ckpt": lambda t, p: t.copy_(p),
+    "numpy": lambda t, p: t.numpy(),
+}
+
+
+@pytest.mark.parametrize("op", sorted(UNSUPPORTED))
+def test_unsupported_op_raises_typed_error_naming_tensor_op_and_chain(op: str) -> None:
+    params = {"p": torch.zeros(3, 4, dtype=torch.bfloat16)}
+    meta = [ParamMeta(name="model.layers.0.mlp.w", dtype="bfloat16", shape=(3, 4))]
+    with pytest.raises(UnsupportedLoaderOp) as ei:
+        record_plan(metadata=meta, load_weights=lambda ws: [UNSUPPORTED[op](t.narrow(0, 0, 3), params["p"])
+                                                           for _, t in ws], params=params, rank=3)
+    msg = str(ei.value)
+    assert "model.layers.0.mlp.w" in msg and "rank 3" in msg and "narrow(0, 0, 3)" in msg
+    assert ei.value.tensor == "model.layers.0.mlp.w" and ei.value.op
+
+
+def test_unneeded_names_and_coverage() -> None:
+    params = {"a": torch.zeros(4, 2), "b": torch.zeros(4, 2), "c": torch.zeros(3)}
+    metas = [ParamMeta(name=n, dtype="float32", shape=(4, 2)) for n in ("x", "y", "z")]
+
+    def load(ws):
+        for n, t in ws:
+            if n == "x":
+                params["a"].copy_(t)
+            elif n == "y":
+                params["b"][:2].copy_(t[2:])
+    plan = record_plan(metadata=metas, load_weights=load, params=params)
+    assert plan.unneeded == ("z",)
+    rep = check_coverage(plan, params)
+    assert rep.full == ["a"] and rep.partial == {"b": [16, 32]} and rep.missing == ["c"]
+    with pytest.raises(CoverageError, match="b: 16/32 bytes"):
+        rep.raise_if_incomplete()
+    rep.raise_if_incomplete(ignore=frozenset({"b", "c"}))
+
+
+def test_recording_tensor_has_no_storage() -> None:
+    from shardsync.record import Recorder
+    rt = Recorder(lambda d: None).tensor(ParamMeta(name="big", dtype="bfloat16", shape=(1 << 20, 1 << 14)))
+    assert isinstance(rt, RecordingTensor) and rt.shape == (1 << 20, 1 << 14)  # 32 GiB, never allocated
+    with pytest.raises(UnsupportedLoaderOp, match="'big'"):
+        rt.untyped_storage()
