@@ -19,6 +19,13 @@ def mismatched(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(raw(a[k]), raw(b[k]))]
 
 
+def garbage(model: torch.nn.Module) -> None:
+    """Fill every parameter with a non-zero byte pattern."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1).view(torch.uint8).fill_(0xA5)
+
+
 def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int = 1):
     """Record plans for every rank, sync through loopback into fresh models, return
     (mismatched names per rank, report, plans)."""
@@ -29,6 +36,7 @@ def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int 
         ref = ZooModel(cfg, **kw)
         ref.load_weights(sd.items())
         dry, live = ZooModel(cfg, **kw), ZooModel(cfg, **kw)
+        garbage(live)  # the sync must write every byte the loader writes, padding included
         plan = record_plan(metadata=src.metadata(), load_weights=dry.load_weights,
                            params=dict(dry.named_parameters()), consumer=f"tp{r}", rank=r)
         consumers.append(LocalConsumer(plan, dict(live.named_parameters())))

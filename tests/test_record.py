@@ -182,3 +182,30 @@ def test_recording_tensor_has_no_storage() -> None:
     assert isinstance(rt, RecordingTensor) and rt.shape == (1 << 20, 1 << 14)  # 32 GiB, never allocated
     with pytest.raises(UnsupportedLoaderOp, match="'big'"):
         rt.untyped_storage()
+
+
+def test_constant_fills_are_recorded_in_order_and_other_param_writes_refused() -> None:
+    w = torch.randn(4, 3)
+    params = {"p": torch.zeros(6, 3)}
+
+    def load(ws):
+        for _, t in ws:
+            params["p"].zero_()              # before the copy: must not wipe it at replay
+            params["p"][:4].copy_(t)
+            params["p"][4:].fill_(7.0)       # padding rows after it
+    plan = record_plan(metadata=[ParamMeta.of("x", w)], load_weights=load, params=params)
+    assert not params["p"].any()  # the dry run wrote nothing into the parameter
+    (g,) = plan.groups
+    assert [(f.pos, f.value, f.shape) for f in g.fills] == [(0, 0, (6, 3)), (1, 7.0, (2, 3))]
+    live = {"p": torch.full((6, 3), float("nan"))}
+    loopback_sync(ModuleSource({"x": w}), [LocalConsumer(plan, live)])
+    ref = torch.cat([w, torch.full((2, 3), 7.0)])
+    assert torch.equal(raw(live["p"]), raw(ref))
+    assert check_coverage(plan, params).complete
+
+    def bad(ws):
+        for _, t in ws:
+            params["p"][:4].copy_(t)
+            params["p"].mul_(2)
+    with pytest.raises(UnsupportedLoaderOp, match=r"mul_ on parameter 'p'.*'x'|'x'.*mul_ on parameter 'p'"):
+        record_plan(metadata=[ParamMeta.of("x", w)], load_weights=bad, params=params)

@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import zoo_roundtrip
-from shardsync.zoo import ZooConfig, hf_state_dict
+from shardsync.coverage import check_coverage
+from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 
 CASES = {
     "llama_gqa": ZooConfig.llama_tiny(),
@@ -32,6 +33,8 @@ def test_zoo_bit_exact(case: str, tp: int) -> None:
     bad, report, plans = zoo_roundtrip(cfg, hf_state_dict(cfg, seed=tp), tp)
     assert bad == [[]] * tp
     assert all(b > 0 for b in report.bytes_per_consumer)
+    for plan, model in zip(plans, [ZooModel(cfg, tp_size=tp, tp_rank=r) for r in range(tp)]):
+        check_coverage(plan, dict(model.named_parameters())).raise_if_incomplete()
     if tp > 1:  # nothing is sent twice to one rank: each keeps about 1/tp of the sharded weights
         full = sum(t.numel() * torch.finfo(cfg.torch_dtype).bits // 8 for t in hf_state_dict(cfg).values())
         assert max(report.bytes_per_consumer) < full

@@ -49,7 +49,7 @@ def check_coverage(plan: Plan, params: Mapping[str, torch.Tensor]) -> CoverageRe
     masks: dict[str, torch.Tensor] = {}
     overlapping: set[str] = set()
     for g in plan.groups:
-        for s in g.scatters:
+        for s in (*g.scatters, *g.fills):
             p = params[s.dst]
             m = masks.get(s.dst)
             if m is None:

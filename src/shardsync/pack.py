@@ -19,7 +19,7 @@ import msgspec
 import torch
 
 from .errors import PlanError, SyncError
-from .types import DestParam, GroupPlan, Plan, Scatter, dtype_of
+from .types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
 
 __all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker", "GroupUnpacker"]
@@ -100,8 +100,8 @@ def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def dst_view(param: torch.Tensor, s: Scatter) -> torch.Tensor:
-    """The region of ``param`` that scatter ``s`` writes, as a tensor of ``s.dst_dtype``."""
+def dst_view(param: torch.Tensor, s: Scatter | Fill) -> torch.Tensor:
+    """The region of ``param`` that scatter (or fill) ``s`` writes, as a tensor of ``s.dst_dtype``."""
     dt = dtype_of(s.dst_dtype)
     base_byte = param.storage_offset() * param.element_size() + s.dst_byte_offset
     if base_byte % dt.itemsize:
@@ -167,16 +167,40 @@ class GroupUnpacker:
 
     def unpack(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
                *, base: int = 0) -> None:
+        """Copy the slices of ``chunk`` (all chunks if None) into ``params``; the loaders' constant fills
+        run at their recorded positions (fills after the last scatter run with the last chunk)."""
         chunks = self.layout.chunks if chunk is None else (chunk,)
+        n = len(self.g.scatters)
         with torch.no_grad():
+            if not chunks and self.g.fills:  # a group made of fills only
+                self._fill(params, 0, n + 1)
             for c in chunks:
                 dsts, srcs = [], []
                 for i in range(c.first, c.stop):
+                    if self.g.fills and any(f.pos == i for f in self.g.fills):
+                        self._flush(dsts, srcs)
+                        self._fill(params, i, i + 1)
                     s = self.g.scatters[i]
-                    p = params.get(s.dst)
-                    if p is None:
-                        raise SyncError(f"group {self.g.name!r}: destination parameter {s.dst!r} not found")
-                    dsts.append(dst_view(p, s))
+                    dsts.append(dst_view(_param(params, s.dst, self.g.name), s))
                     srcs.append(_packed_view(buf, self.layout.offsets[i] - base, s))
-                if dsts:
-                    torch._foreach_copy_(dsts, srcs)
+                self._flush(dsts, srcs)
+                if c.stop == n:
+                    self._fill(params, n, n + 1)
+
+    @staticmethod
+    def _flush(dsts: list, srcs: list) -> None:
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+            dsts.clear(), srcs.clear()
+
+    def _fill(self, params: Mapping[str, torch.Tensor], lo: int, hi: int) -> None:
+        for f in self.g.fills:
+            if lo <= f.pos < hi:
+                dst_view(_param(params, f.dst, self.g.name), f).fill_(f.value)
+
+
+def _param(params: Mapping[str, torch.Tensor], name: str, group: str) -> torch.Tensor:
+    p = params.get(name)
+    if p is None:
+        raise SyncError(f"group {group!r}: destination parameter {name!r} not found")
+    return p

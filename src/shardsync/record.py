@@ -16,13 +16,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import msgspec
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import opcodec
 from .errors import UnsupportedLoaderOp
 from .groups import group_order, weight_group
-from .types import DestParam, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
+from .types import DestParam, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
 
 __all__ = ["RecordingTensor", "Recorder", "record_plan", "DestinationResolver"]
 
@@ -60,15 +61,15 @@ DestinationResolver = Callable[[torch.Tensor], "tuple[str, int, torch.Tensor] | 
 
 
 def storage_resolver(params: Mapping[str, torch.Tensor]) -> DestinationResolver:
-    """Resolve destinations by storage identity against the given parameters."""
-    by_ptr: dict[int, tuple[str, torch.Tensor]] = {}
+    """Resolve destinations by storage identity (works for meta parameters too)."""
+    by_storage: dict[int, tuple[str, torch.Tensor]] = {}
     for name, p in params.items():
-        ptr = p.untyped_storage().data_ptr()
-        if ptr and ptr not in by_ptr:
-            by_ptr[ptr] = (name, p)
+        if p.numel() == 0:
+            continue
+        by_storage.setdefault(p.untyped_storage()._cdata, (name, p))
 
     def resolve(dest: torch.Tensor) -> tuple[str, int, torch.Tensor] | None:
-        hit = by_ptr.get(dest.untyped_storage().data_ptr())
+        hit = by_storage.get(dest.untyped_storage()._cdata)
         if hit is None:
             return None
         name, p = hit
@@ -85,7 +86,11 @@ class Recorder:
         self.rank = rank
         self.device = torch.device(device)
         self.scatters: list[Scatter] = []
+        self.fills: list[tuple[int, Fill]] = []
+        """(index into ``scatters`` at the time, fill) in recorded order."""
         self.dests: dict[str, DestParam] = {}
+        self.current: str = "<none>"
+        """The checkpoint tensor a loader touched last (blamed for destination writes)."""
 
     def tensor(self, meta: ParamMeta) -> "RecordingTensor":
         base = torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device="meta")
@@ -115,6 +120,44 @@ class Recorder:
             dst_byte_offset=byte_offset, dst_dtype=dtype_name(dest.dtype), shape=tuple(dest.shape),
             dst_stride=tuple(dest.stride()),
         ))
+
+
+    def on_dest_write(self, func, dest: torch.Tensor, args: tuple) -> None:
+        """A loader mutated a parameter by other means than copying a checkpoint slice into it."""
+        hit = self.resolve(dest)
+        assert hit is not None
+        param, byte_offset, p = hit
+        name = str(func.overloadpacket.__name__)
+        if name in ("fill_", "zero_") and (name == "zero_" or not isinstance(args[1], torch.Tensor)):
+            value = 0 if name == "zero_" else args[1]
+            self.dests.setdefault(param, DestParam.of(param, p))
+            self.fills.append((len(self.scatters), Fill(
+                src=self.current, pos=0, value=value, dst=param, dst_byte_offset=byte_offset,
+                dst_dtype=dtype_name(dest.dtype), shape=tuple(dest.shape), dst_stride=tuple(dest.stride()))))
+            return
+        raise UnsupportedLoaderOp(tensor=self.current, op=f"{name} on parameter {param!r}", chain="", rank=self.rank,
+                                  detail="the loader writes computed values into a parameter; only copies of "
+                                         "checkpoint slices and constant fills can be replayed")
+
+
+class _DestWatch(TorchDispatchMode):
+    """During a dry run: record constant fills of parameters, refuse other writes, and never let any
+    write reach a parameter (live ones included)."""
+
+    def __init__(self, recorder: Recorder, storages: set[int]):
+        super().__init__()
+        self.recorder, self.storages = recorder, storages
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and i < len(args):
+                t = args[i]
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage()._cdata in self.storages:
+                    self.recorder.on_dest_write(func, t, args)
+                    return t
+        return func(*args, **kwargs)
 
 
 class RecordingTensor(torch.Tensor):
@@ -155,6 +198,7 @@ class RecordingTensor(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         rec = rt._recorder
+        rec.current = rt._source
         if name in REPR_OPS:
             return repr(rt) if name != "__format__" else format(repr(rt), *args[1:])
         if name == "copy_" and len(args) >= 2 and args[1] is rt:
@@ -246,24 +290,36 @@ def record_plan(
             raise TypeError("record_plan needs params or resolve")
         resolve = storage_resolver(params)
     recorder = Recorder(resolve, rank=rank, device=device)
-    load_weights((m.name, recorder.tensor(m)) for m in metadata)
+    storages = {p.untyped_storage()._cdata for p in (params or {}).values() if p.numel()}
+    with _DestWatch(recorder, storages):
+        load_weights((m.name, recorder.tensor(m)) for m in metadata)
     return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,
-                      dests=tuple(recorder.dests.values()))
+                      dests=tuple(recorder.dests.values()), fills=recorder.fills)
 
 
 def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, consumer: str = "",
-               group_of: Callable[[str], str] = weight_group, dests: tuple[DestParam, ...] = ()) -> Plan:
-    """Group recorded scatters by weight group and seal the plan (pure)."""
+               group_of: Callable[[str], str] = weight_group, dests: tuple[DestParam, ...] = (),
+               fills: Sequence[tuple[int, Fill]] = ()) -> Plan:
+    """Group recorded scatters (and constant fills) by weight group and seal the plan (pure)."""
     by_group: dict[str, list[Scatter]] = defaultdict(list)
-    for s in scatters:
-        by_group[group_of(s.src)].append(s)
+    fills_by_group: dict[str, list[Fill]] = defaultdict(list)
+    fill_iter = iter(fills)
+    pending = next(fill_iter, None)
+    for i, s in enumerate([*scatters, None]):
+        while pending is not None and pending[0] == i:  # a fill recorded before scatter i
+            g = group_of(pending[1].src)
+            fills_by_group[g].append(msgspec.structs.replace(pending[1], pos=len(by_group[g])))
+            pending = next(fill_iter, None)
+        if s is not None:
+            by_group[group_of(s.src)].append(s)
     used = {s.src for s in scatters}
     order = {m.name: i for i, m in enumerate(metadata)}
     groups = []
-    for g in group_order(by_group):
+    for g in group_order([*by_group, *fills_by_group]):
         ss = tuple(by_group[g])
         sources = tuple(sorted({s.src for s in ss}, key=lambda n: order.get(n, len(order))))
-        groups.append(GroupPlan(name=g, scatters=ss, nbytes=sum(s.nbytes for s in ss), sources=sources))
+        groups.append(GroupPlan(name=g, scatters=ss, nbytes=sum(s.nbytes for s in ss), sources=sources,
+                                fills=tuple(fills_by_group[g])))
     unneeded = tuple(m.name for m in metadata if m.name not in used)
     return Plan(consumer=consumer, meta_digest=metadata_digest(metadata), groups=tuple(groups),
                 unneeded=unneeded, dests=tuple(sorted(dests, key=lambda d: d.name))).sealed()

@@ -16,7 +16,7 @@ import msgspec
 import torch
 
 __all__ = [
-    "ParamMeta", "DestParam", "Op", "StridedView", "Scatter", "GroupPlan", "Plan",
+    "ParamMeta", "DestParam", "Op", "Fill", "StridedView", "Scatter", "GroupPlan", "Plan",
     "dtype_name", "dtype_of", "metadata_digest", "digest_of",
 ]
 
@@ -150,6 +150,21 @@ class Scatter(_Record):
         return self.numel * itemsize(self.dst_dtype)
 
 
+class Fill(_Record):
+    """A constant a loader writes into a parameter region (``fill_``/``zero_``: vocab padding rows)."""
+
+    src: str
+    """Checkpoint tensor being loaded when the loader wrote it."""
+    pos: int
+    """Number of this group's scatters recorded before it: replay applies it at the same point."""
+    value: float | int | bool
+    dst: str
+    dst_byte_offset: int
+    dst_dtype: str
+    shape: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+
+
 class GroupPlan(_Record):
     """All scatters of one weight group for one consumer, in recorded order."""
 
@@ -160,6 +175,8 @@ class GroupPlan(_Record):
     """Sum of the scatters' payload bytes (alignment padding excluded)."""
     sources: tuple[str, ...]
     """Checkpoint names this group needs, in metadata order."""
+    fills: tuple[Fill, ...] = ()
+    """Constant writes of the loaders, applied at their recorded position (no bytes on the wire)."""
 
 
 class DestParam(_Record):

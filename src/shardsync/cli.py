@@ -1,0 +1,40 @@
+"""Command line: ``shardsync demo | verify``.
+
+    shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
+    shardsync verify MODEL_DIR --tp 2    # will my model work? real vLLM, bit-exact check
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shardsync", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="sync a tiny Qwen3-MoE into TP consumers and check every byte")
+    d.add_argument("--tp", type=int, default=2)
+    d.add_argument("--syncs", type=int, default=3)
+    d.add_argument("--json", action="store_true")
+    v = sub.add_parser("verify", help="start real vLLM on MODEL_DIR, sync perturbed weights, compare bytes")
+    v.add_argument("model_dir")
+    v.add_argument("--tp", type=int, default=1)
+    v.add_argument("--expert-parallel", action="store_true")
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--no-validate", action="store_true", help="skip the init-time check against real loaders")
+    args = ap.parse_args(argv)
+    if args.cmd == "demo":
+        from .demo import run_zoo_demo
+
+        return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
+    if args.cmd == "verify":
+        from .integrations.vllm.verify import run_verify
+
+        return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
+                          validate=not args.no_validate)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
