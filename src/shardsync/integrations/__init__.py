@@ -1,0 +1,1 @@
+"""Integrations with inference engines and schedulers. Only this package imports vllm."""

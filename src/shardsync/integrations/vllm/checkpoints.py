@@ -1,0 +1,77 @@
+"""Tiny random HF checkpoints for tests and ``verify``, and deterministic weight perturbation.
+
+    path = build_tiny_checkpoint("qwen3_moe", "/tmp/tiny-qwen3-moe")
+    full = perturb(load_checkpoint(path), seed=1)    # what "the trainer after one step" holds
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import zlib
+
+import torch
+
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "mixtral", "phi3", "llama")
+
+_COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=256, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=64, **_COMMON)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(head_dim=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                 decoder_sparse_step=1, mlp_only_layers=[], **_COMMON)
+    if arch == "qwen2":  # q/k/v biases
+        return tf.Qwen2Config(**_COMMON)
+    if arch == "mixtral":  # block_sparse_moe.experts.N.w1/w2/w3
+        return tf.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **_COMMON)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj on disk
+        return tf.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **_COMMON)
+    if arch == "llama":
+        return tf.LlamaConfig(**_COMMON)
+    raise ValueError(f"unknown tiny architecture {arch!r}; known: {ARCHS}")
+
+
+def build_tiny_checkpoint(arch: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Random-weight checkpoint of ``arch`` (built from its transformers config) in ``out_dir``."""
+    import transformers as tf
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    torch.manual_seed(seed)
+    cfg = _config(arch)
+    cfg.initializer_range = 0.2  # large enough for distinct greedy tokens in a 2-layer model
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        out.update(load_file(f))
+    if not out:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return out
+
+
+def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Deterministically change every tensor (same bytes in every process): w * (1 + 0.1·n1) + 0.01·n2."""
+    out = {}
+    for name, t in state.items():
+        g = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ (seed * 2654435761)) & 0x7FFFFFFF)
+        if t.dtype.is_floating_point:
+            n1 = torch.randn(t.shape, generator=g)
+            n2 = torch.randn(t.shape, generator=g)
+            out[name] = (t.float() * (1 + 0.1 * n1) + 0.01 * n2).to(t.dtype)
+        else:
+            out[name] = t.clone()
+    return out

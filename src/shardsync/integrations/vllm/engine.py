@@ -1,0 +1,214 @@
+"""The ``shardsync`` vLLM weight-transfer backend (runs inside every vLLM worker).
+
+Driver side, with vLLM's own RL API::
+
+    llm = LLM(model=..., weight_transfer_config={"backend": "shardsync"})
+    llm.init_weight_transfer_engine({"init_info": {"metadata": [m.to_dict() for m in source.metadata()],
+                                                   "plan_dir": "/tmp/plans"}})
+    plans = read_plans("/tmp/plans", world_size)              # each worker wrote the plan it recorded
+    llm.start_weight_update()
+    llm.update_weights({"update_info": pack_updates(plans, source, version=1)})   # one dict per rank
+    llm.finish_weight_update(weight_version="1")
+
+At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
+``load_weights`` (live weights untouched), checks it against the real loaders on random data
+(``validate``), and writes it as JSON. A sync writes each received group's slices into vLLM's
+layerwise buffers and runs vLLM's per-layer processing as soon as a layer is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from ...errors import PlanError, SyncError
+from ...types import ParamMeta, metadata_digest
+from .layerwise import LayerApplier, model_tensors, record_vllm_plan, validate_plan, vllm_context
+
+
+@dataclass
+class ShardsyncInitInfo(WeightTransferInitInfo):
+    metadata: list[dict[str, Any]] = field(default_factory=list)
+    """The trainer's ParamMeta list (``ParamMeta.to_dict()``), in the trainer's order."""
+    plan_dir: str = ""
+    """Where each worker writes ``plan_rank{R}.json`` (and status / capture files)."""
+    validate: bool = True
+    """Check the recorded plan against the real loaders on random data (scratch tensors)."""
+    capture: bool = False
+    """Testing aid: save each layer's checkpoint-format tensors before processing, per update."""
+    consumer: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.metadata or not self.plan_dir:
+            raise ValueError("shardsync init_info needs 'metadata' (list of ParamMeta dicts) and 'plan_dir'")
+
+
+@dataclass
+class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
+    version: int = 0
+    plan_digest: str = ""
+    groups: list[Any] = field(default_factory=list)
+    """[[group name, packed bytes], ...] in transfer order."""
+    op: str = "sync"
+    """``sync`` (packed groups) or ``reference`` (vLLM's own loaders on a perturbed checkpoint; verify)."""
+    model_dir: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in ("sync", "reference"):
+            raise ValueError(f"unknown shardsync update op {self.op!r}")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
+    init_info_cls = ShardsyncInitInfo
+    update_info_cls = ShardsyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.rank = _rank()
+        self.plan = None
+        self.applier: LayerApplier | None = None
+        self.version = 0
+        self.plan_dir = ""
+        self._capture: dict[str, torch.Tensor] | None = None
+        self._applied: set[str] = set()
+        self._op = "sync"
+        self._bytes = 0
+        self._t0 = 0.0
+
+    # ---------------------------------------------------------------- init
+    def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
+        t0 = time.perf_counter()
+        metas = [ParamMeta.from_dict(d) for d in init_info.metadata]
+        consumer = init_info.consumer or f"rank{self.rank}"
+        self.plan = record_vllm_plan(self.model, self.vllm_config, metas, rank=self.rank, consumer=consumer)
+        record_s = time.perf_counter() - t0
+        checked = validate_plan(self.model, self.vllm_config, metas, self.plan, rank=self.rank) \
+            if init_info.validate else 0
+        self.applier = LayerApplier(self.model, self.plan)
+        self.plan_dir = init_info.plan_dir
+        os.makedirs(self.plan_dir, exist_ok=True)
+        with open(os.path.join(self.plan_dir, f"plan_rank{self.rank}.json"), "wb") as f:
+            f.write(self.plan.to_json())
+        _write_json(os.path.join(self.plan_dir, f"init_rank{self.rank}.json"), {
+            "rank": self.rank, "digest": self.plan.digest, "meta_digest": metadata_digest(metas),
+            "record_s": record_s, "init_s": time.perf_counter() - t0, "validated_tensors": checked,
+            "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded)})
+        if init_info.capture:
+            self._install_capture()
+
+    # ---------------------------------------------------------------- update lifecycle
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self.applier is None:
+            raise SyncError(f"rank {self.rank}: start_weight_update before init_weight_transfer_engine")
+        initialize_layerwise_reload(self.model)
+        self._applied.clear()
+        self._bytes = 0
+        self._op = "sync"
+        self._t0 = time.perf_counter()
+        if self._capture is not None:
+            self._capture.clear()
+
+    def update_weights(self, update_info: dict) -> None:  # the base class syncs an accelerator (absent on CPU)
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, info: ShardsyncUpdateInfo) -> None:
+        assert self.plan is not None and self.applier is not None
+        self._op = info.op
+        with vllm_context(self.vllm_config):
+            if info.op == "reference":  # vLLM's own loading of the same full tensors (verification)
+                from .checkpoints import load_checkpoint, perturb
+
+                full = perturb(load_checkpoint(info.model_dir), info.seed)
+                self.model.load_weights(list(full.items()))
+                self.version = info.version
+                return
+            if info.plan_digest != self.plan.digest:
+                raise PlanError(f"rank {self.rank}: update packed for plan {info.plan_digest[:12]!r}, this worker "
+                                f"recorded {self.plan.digest[:12]!r}")
+            if info.version <= self.version:
+                raise SyncError(f"rank {self.rank}: update version {info.version} is not newer than {self.version}")
+            for gname, data in info.groups:
+                if gname not in self.applier.layouts:
+                    raise SyncError(f"rank {self.rank}: received group {gname!r}, which is not in its plan")
+                expected = self.applier.layouts[gname].nbytes
+                if len(data) != expected:
+                    raise SyncError(f"rank {self.rank}: group {gname!r} has {len(data)} bytes, expected {expected}")
+                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
+                self.applier.apply(gname, buf)
+                self._applied.add(gname)
+                self._bytes += len(data)
+            self.version = info.version
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        assert self.plan is not None
+        missing = [g.name for g in self.plan.groups if g.name not in self._applied] if self._op == "sync" else []
+        with vllm_context(self.vllm_config):
+            finalize_layerwise_reload(self.model, self.model_config)
+        status = {"rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
+                  "seconds": time.perf_counter() - self._t0, "missing_groups": missing}
+        _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
+        if self._capture is not None:
+            from safetensors.torch import save_file
+
+            live = {f"live:{n}": t.detach().clone().contiguous().cpu() for n, t in model_tensors(self.model).items()
+                    if t.numel() and not t.is_meta}
+            save_file({**self._capture, **live},
+                      os.path.join(self.plan_dir, f"capture_rank{self.rank}_{self._op}.safetensors"))
+        if missing:
+            raise SyncError(f"rank {self.rank}: sync v{self.version} finished without groups {missing[:5]} "
+                            f"({len(missing)} missing): those layers keep their previous weights")
+
+    def shutdown(self) -> None:
+        self.applier = None
+        self.plan = None
+
+    # ---------------------------------------------------------------- verification aid
+    def _install_capture(self) -> None:
+        """Snapshot each layer's checkpoint-format tensors right before vLLM processes it (on CPU
+        the processed linear weights live in an opaque packed handle, so bytes are compared here)."""
+        self._capture = {}
+        names = {id(m): n for n, m in self.model.named_modules()}
+        seen: set[int] = set()
+        for layer in self.model.modules():
+            qm = getattr(layer, "quant_method", None)
+            if qm is None or id(qm) in seen or not hasattr(qm, "process_weights_after_loading"):
+                continue
+            seen.add(id(qm))
+            original = qm.process_weights_after_loading
+            capture = self._capture
+
+            def hooked(lay, *a, __orig=original, **k):
+                mod = names.get(id(lay), "?")
+                for n, t in list(lay.named_parameters(recurse=False)) + list(lay.named_buffers(recurse=False)):
+                    if t.numel() and not t.is_meta:
+                        capture[f"pre:{mod}.{n}"] = t.detach().clone().contiguous().cpu()
+                return __orig(lay, *a, **k)
+
+            qm.process_weights_after_loading = hooked

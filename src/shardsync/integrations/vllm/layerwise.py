@@ -1,0 +1,238 @@
+"""Plans through vLLM's own loaders, on top of its layerwise-reload machinery.
+
+``initialize_layerwise_reload`` swaps every layer's live (kernel) tensors for fresh meta tensors in
+checkpoint format and keeps the live ones aside. On that state:
+
+* :func:`record_vllm_plan` runs ``model.load_weights`` on recording tensors with the *original* weight
+  loaders (vLLM's counting wrappers removed, so no layer is processed) and then puts every live tensor
+  back untouched: live weights are never written.
+* :func:`validate_plan` checks the plan against the real loaders on random data, one weight group at a
+  time, on scratch tensors (live ones are swapped out first), and names the first differing tensor.
+* :class:`LayerApplier` (each sync) materialises a layer's checkpoint-format buffers, writes the plan's
+  slices into them and hands the layer to vLLM's per-layer processing, which copies the processed
+  result into the existing kernel tensors (CUDA graphs stay valid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections import defaultdict
+from typing import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ...errors import PlanError, UnsupportedLoaderOp
+from ...pack import GroupPacker, GroupUnpacker, layout_group
+from ...record import record_plan
+from ...types import ParamMeta, Plan, dtype_of
+
+__all__ = ["record_vllm_plan", "validate_plan", "LayerApplier", "model_tensors", "vllm_context"]
+
+
+def _reload():
+    from vllm.model_executor.model_loader.reload import layerwise, meta, utils
+
+    return layerwise, meta, utils
+
+
+@contextlib.contextmanager
+def vllm_context(vllm_config) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+    with set_current_vllm_config(vllm_config), disable_mtp_completeness_check(), torch.no_grad():
+        yield
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model by its dotted name (tied ones under each name)."""
+    out = dict(model.named_parameters(remove_duplicate=False))
+    for n, b in model.named_buffers(remove_duplicate=False):
+        out.setdefault(n, b)
+    return out
+
+
+def _unwrap_loaders(model: nn.Module) -> None:
+    layerwise, _, utils = _reload()
+    for layer in model.modules():
+        for t in utils.get_layer_tensors(layer).values():
+            loader = getattr(t, "weight_loader", None)
+            if loader is not None and getattr(loader, "__name__", "") == "online_process_loader":
+                t.weight_loader = layerwise._get_original_loader(t)
+
+
+@contextlib.contextmanager
+def checkpoint_format(model: nn.Module) -> Iterator[None]:
+    """Model in checkpoint format on meta tensors, original loaders; live tensors restored on exit."""
+    layerwise, _, _ = _reload()
+    layerwise.initialize_layerwise_reload(model)
+    try:
+        _unwrap_loaders(model)
+        yield
+    finally:
+        for layer in model.modules():
+            info = layerwise.LAYERWISE_INFO.get(layer)
+            if info is not None and info.kernel_tensors is not None:
+                layerwise._place_kernel_tensors(layer, info)
+                info.reset()
+        if hasattr(model, "_original_do_torchao_reload"):
+            model._do_torchao_reload = model._original_do_torchao_reload
+        _unwrap_loaders(model)
+        layerwise.LOADING_LAYERS.clear()
+
+
+def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], *, rank: int,
+                     consumer: str) -> Plan:
+    """Dry-run the model's own ``load_weights`` on recording tensors; live weights untouched."""
+    with vllm_context(vllm_config), checkpoint_format(model):
+        tensors = model_tensors(model)
+        plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
+                           consumer=consumer, rank=rank, device=_device_of(model))
+    _refuse_deferred_attention(model, plan, rank)
+    return plan
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        if not t.is_meta:
+            return t.device
+    return torch.device("cpu")
+
+
+def _module_of(name: str) -> tuple[str, str]:
+    mod, _, attr = name.rpartition(".")
+    return mod, attr
+
+
+def _refuse_deferred_attention(model: nn.Module, plan: Plan, rank: int) -> None:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+    for d in plan.dests:
+        mod, _ = _module_of(d.name)
+        if is_deferred_attention_layer(model.get_submodule(mod)):
+            src = next(s.src for g in plan.groups for s in g.scatters if s.dst == d.name)
+            raise UnsupportedLoaderOp(tensor=src, op=f"copy_ into attention-layer tensor {d.name!r}", chain="",
+                                      rank=rank, detail="vLLM reprocesses attention layers only at finalize by "
+                                                        "re-running their loaders; not replayable")
+
+
+def _random_full(meta: ParamMeta, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed ^ zlib.crc32(meta.name.encode()))
+    dt = dtype_of(meta.dtype)
+    if dt.is_floating_point:
+        return torch.randn(meta.shape, generator=g, dtype=torch.float32).to(dt)
+    if dt == torch.bool:
+        return torch.randint(0, 2, meta.shape, generator=g).bool()
+    return torch.randint(-100, 100, meta.shape, generator=g).to(dt)
+
+
+def _sentinel(t: torch.Tensor) -> None:
+    """Fill with a byte pattern no loader writes by chance (values for non-contiguous tensors)."""
+    if t.is_contiguous():
+        t.data.reshape(-1).view(torch.uint8).fill_(0xA5)
+    else:
+        t.data.fill_(-3 if not t.dtype.is_floating_point else -3.25)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], plan: Plan, *, rank: int,
+                  seed: int = 1234) -> int:
+    """Check the plan against the engine's real loaders on random data, group by group, on scratch
+    tensors. Returns the number of tensors compared; raises PlanError naming the first difference."""
+    layerwise, meta_mod, utils = _reload()
+    by_group: dict[str, list[ParamMeta]] = defaultdict(list)
+    from ...groups import weight_group
+
+    for m in metadata:
+        by_group[weight_group(m.name)].append(m)
+    compared = 0
+    with vllm_context(vllm_config), checkpoint_format(model):
+        for g in plan.groups:
+            mods = sorted({_module_of(d)[0] for d in {*(s.dst for s in g.scatters), *(f.dst for f in g.fills)}})
+            layers = [model.get_submodule(m) for m in mods]
+            swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+            for layer in layers:
+                layerwise.materialize_layer(layer, layerwise.LAYERWISE_INFO[layer])
+                for name, t in utils.get_layer_tensors(layer).items():  # live (skip) tensors -> scratch clones
+                    if name in meta_mod.SKIP_TENSORS and not t.is_meta:
+                        scratch = nn.Parameter(t.detach().clone(), requires_grad=False) \
+                            if isinstance(t, nn.Parameter) else t.detach().clone()
+                        for k, v in t.__dict__.items():
+                            scratch.__dict__.setdefault(k, v)
+                        swapped.append((layer, name, t))
+                        setattr(layer, name, scratch)
+            try:
+                compared += _validate_group(model, g, by_group[g.name], mods, rank, seed)
+            finally:
+                for layer in layers:
+                    layerwise.restore_layer_on_meta(layer, layerwise.LAYERWISE_INFO[layer])
+                for layer, name, t in swapped:
+                    setattr(layer, name, t)
+    return compared
+
+
+def _validate_group(model: nn.Module, g, metas: Sequence[ParamMeta], mods: Sequence[str], rank: int,
+                    seed: int) -> int:
+    full = {m.name: _random_full(m, seed) for m in metas}
+    tensors = {n: t for n, t in model_tensors(model).items() if _module_of(n)[0] in mods and not t.is_meta}
+    for t in tensors.values():
+        _sentinel(t)
+    model.load_weights(list(full.items()))  # the engine's own loaders, into the scratch tensors
+    expected = {n: _raw(t).clone() for n, t in tensors.items()}
+    for t in tensors.values():
+        _sentinel(t)
+    layout = layout_group(g)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    GroupPacker(g, layout).pack({n: t.contiguous() for n, t in full.items()}, buf)
+    GroupUnpacker(g, layout).unpack(buf, tensors)
+    for n, t in tensors.items():
+        if not torch.equal(_raw(t), expected[n]):
+            writers = sorted({s.src for s in g.scatters if s.dst == n}) or ["<no recorded copy>"]
+            diff = int((_raw(t) != expected[n]).sum())
+            raise PlanError(f"consumer rank {rank}: the recorded plan disagrees with the engine's loaders on "
+                            f"tensor {n!r} (filled from {writers[:4]}): {diff} of {t.numel() * t.element_size()} "
+                            "bytes differ on random data — the loader does something the recording did not see")
+    return len(tensors)
+
+
+class LayerApplier:
+    """Per sync: materialise, scatter, process. Modules are processed as soon as the last group that
+    writes them has been applied (a layer's processing does not wait for the end of the sync)."""
+
+    def __init__(self, model: nn.Module, plan: Plan):
+        self.model, self.plan = model, plan
+        last: dict[str, str] = {}
+        for g in plan.groups:
+            for name in {*(s.dst for s in g.scatters), *(f.dst for f in g.fills)}:
+                last[_module_of(name)[0]] = g.name
+        self.finishing: dict[str, list[str]] = defaultdict(list)
+        for mod, gname in last.items():
+            self.finishing[gname].append(mod)
+        self.group_mods = {g.name: sorted({_module_of(d)[0] for d in {*(s.dst for s in g.scatters),
+                                                                        *(f.dst for f in g.fills)}})
+                           for g in plan.groups}
+        self.layouts = {g.name: layout_group(g) for g in plan.groups}
+        self.unpackers = {g.name: GroupUnpacker(g, self.layouts[g.name]) for g in plan.groups}
+
+    def apply(self, group: str, buf: torch.Tensor) -> None:
+        layerwise, _, _ = _reload()
+        mods = self.group_mods[group]
+        for m in mods:
+            layer = self.model.get_submodule(m)
+            layerwise.materialize_layer(layer, layerwise.LAYERWISE_INFO[layer])
+        tensors = {}
+        for m in mods:
+            layer = self.model.get_submodule(m)
+            for n, t in list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False)):
+                tensors[f"{m}.{n}" if m else n] = t
+        self.unpackers[group].unpack(buf, tensors)
+        for m in self.finishing.get(group, ()):
+            layer = self.model.get_submodule(m)
+            info = layerwise.LAYERWISE_INFO[layer]
+            if info.can_load():
+                layerwise._layerwise_process(layer, info)
