@@ -52,6 +52,20 @@ def build_tiny_checkpoint(arch: str, out_dir: str, *, seed: int = 0, dtype: torc
     return out_dir
 
 
+def with_architecture(src_dir: str, out_dir: str, arch: str) -> str:
+    """A copy of a checkpoint whose config names another architecture class (fault injection)."""
+    import json
+    import shutil
+
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
+        cfg_path = os.path.join(out_dir, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg["architectures"] = [arch]
+        json.dump(cfg, open(cfg_path, "w"))
+    return out_dir
+
+
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
