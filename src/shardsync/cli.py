@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--expert-parallel", action="store_true")
     v.add_argument("--json", action="store_true")
     v.add_argument("--no-validate", action="store_true", help="skip the init-time check against real loaders")
+    v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         from .demo import run_zoo_demo
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from .integrations.vllm.verify import run_verify
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
-                          validate=not args.no_validate)
+                          validate=not args.no_validate, corrupt=args.self_test_corrupt)
     return 2
 
 

@@ -16,17 +16,17 @@ checkpoint format and keeps the live ones aside. On that state:
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections import defaultdict
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ...errors import PlanError, UnsupportedLoaderOp
-from ...pack import GroupPacker, GroupUnpacker, layout_group
+from ...errors import UnsupportedLoaderOp
+from ...pack import GroupUnpacker, layout_group
 from ...record import record_plan
-from ...types import ParamMeta, Plan, dtype_of
+from ...types import ParamMeta, Plan
+from ...validate import validate_group
 
 __all__ = ["record_vllm_plan", "validate_plan", "LayerApplier", "model_tensors", "vllm_context"]
 
@@ -118,28 +118,6 @@ def _refuse_deferred_attention(model: nn.Module, plan: Plan, rank: int) -> None:
                                                         "re-running their loaders; not replayable")
 
 
-def _random_full(meta: ParamMeta, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed ^ zlib.crc32(meta.name.encode()))
-    dt = dtype_of(meta.dtype)
-    if dt.is_floating_point:
-        return torch.randn(meta.shape, generator=g, dtype=torch.float32).to(dt)
-    if dt == torch.bool:
-        return torch.randint(0, 2, meta.shape, generator=g).bool()
-    return torch.randint(-100, 100, meta.shape, generator=g).to(dt)
-
-
-def _sentinel(t: torch.Tensor) -> None:
-    """Fill with a byte pattern no loader writes by chance (values for non-contiguous tensors)."""
-    if t.is_contiguous():
-        t.data.reshape(-1).view(torch.uint8).fill_(0xA5)
-    else:
-        t.data.fill_(-3 if not t.dtype.is_floating_point else -3.25)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
 def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], plan: Plan, *, rank: int,
                   seed: int = 1234) -> int:
     """Check the plan against the engine's real loaders on random data, group by group, on scratch
@@ -178,26 +156,9 @@ def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], 
 
 def _validate_group(model: nn.Module, g, metas: Sequence[ParamMeta], mods: Sequence[str], rank: int,
                     seed: int) -> int:
-    full = {m.name: _random_full(m, seed) for m in metas}
     tensors = {n: t for n, t in model_tensors(model).items() if _module_of(n)[0] in mods and not t.is_meta}
-    for t in tensors.values():
-        _sentinel(t)
-    model.load_weights(list(full.items()))  # the engine's own loaders, into the scratch tensors
-    expected = {n: _raw(t).clone() for n, t in tensors.items()}
-    for t in tensors.values():
-        _sentinel(t)
-    layout = layout_group(g)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
-    GroupPacker(g, layout).pack({n: t.contiguous() for n, t in full.items()}, buf)
-    GroupUnpacker(g, layout).unpack(buf, tensors)
-    for n, t in tensors.items():
-        if not torch.equal(_raw(t), expected[n]):
-            writers = sorted({s.src for s in g.scatters if s.dst == n}) or ["<no recorded copy>"]
-            diff = int((_raw(t) != expected[n]).sum())
-            raise PlanError(f"consumer rank {rank}: the recorded plan disagrees with the engine's loaders on "
-                            f"tensor {n!r} (filled from {writers[:4]}): {diff} of {t.numel() * t.element_size()} "
-                            "bytes differ on random data — the loader does something the recording did not see")
-    return len(tensors)
+    return validate_group(load_weights=model.load_weights, params=tensors, group=g, metas=metas, rank=rank,
+                          seed=seed)
 
 
 class LayerApplier:

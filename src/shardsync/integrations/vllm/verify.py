@@ -59,12 +59,14 @@ def cpu_env(tp: int) -> None:
 
 
 def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = True, seed: int = 1,
-                  version: int = 1) -> dict:
-    """Run the verification on an already started engine (tests share engines this way)."""
+                  version: int = 1, corrupt: bool = False, result: dict | None = None) -> dict:
+    """Run the verification on an already started engine. ``corrupt`` flips one byte of what rank 0
+    receives (a self-test: the comparison must then fail)."""
     plan_dir = tempfile.mkdtemp(prefix="shardsync-verify-")
-    result: dict = {"model": os.path.basename(os.path.normpath(model_dir)), "tp": tp, "ep": ep, "exact": False,
-                    "tokens_match": None, "params_compared": 0, "mismatched": [], "bytes_received_per_rank": [],
-                    "full_model_bytes": 0, "init_s": None, "sync_s": None}
+    result = {} if result is None else result  # filled in place: a caller keeps what was found before a failure
+    result.update({"model": os.path.basename(os.path.normpath(model_dir)), "tp": tp, "ep": ep, "exact": False,
+                   "tokens_match": None, "params_compared": 0, "mismatched": [], "bytes_received_per_rank": [],
+                   "full_model_bytes": 0, "init_s": None, "sync_s": None})
     try:
         full = perturb(load_checkpoint(model_dir), seed)
         source = ModuleSource(full)
@@ -73,8 +75,14 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
         can_generate = not ep
         tokens0 = _generate(llm) if can_generate else None
         t0 = time.perf_counter()
-        llm.init_weight_transfer_engine({"init_info": {"metadata": [m.to_dict() for m in metas],
-                                                       "plan_dir": plan_dir, "validate": validate, "capture": True}})
+        try:
+            llm.init_weight_transfer_engine({"init_info": {"metadata": [m.to_dict() for m in metas],
+                                                           "plan_dir": plan_dir, "validate": validate,
+                                                           "capture": True}})
+        except Exception:
+            if can_generate:  # a failed init must leave the live weights as they were
+                result["unchanged_after_failed_init"] = _generate(llm) == tokens0
+            raise
         result["init_s"] = round(time.perf_counter() - t0, 3)
         if can_generate:
             result["dry_run_unchanged"] = _generate(llm) == tokens0
@@ -82,6 +90,15 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
         inits = [json.load(open(os.path.join(plan_dir, f"init_rank{r}.json"))) for r in range(tp)]
         result["validated_tensors_per_rank"] = [i["validated_tensors"] for i in inits]
         updates = pack_updates(plans, source, version=version)
+        if corrupt:
+            name, data = next((g, d) for g, d in updates[0]["groups"] if g not in ("pre", "post") and d)
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x40
+            updates[0]["groups"] = [[g, bytes(flipped) if g == name else d] for g, d in updates[0]["groups"]]
+        result["expert_ids_per_rank"] = [sorted({int(n.split(".experts.")[1].split(".")[0]) for g in p.groups
+                                                 for n in g.sources if ".experts." in n
+                                                 and n.split(".experts.")[1].split(".")[0].isdigit()})
+                                         for p in plans]
         t0 = time.perf_counter()
         llm.start_weight_update()
         llm.update_weights({"update_info": updates})
@@ -115,7 +132,7 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
 
 
 def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as_json: bool = False,
-               validate: bool = True) -> int:
+               validate: bool = True, corrupt: bool = False) -> int:
     cpu_env(tp)
     from vllm import LLM
 
@@ -123,7 +140,7 @@ def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as
                     "exact": False}
     try:
         llm = LLM(**engine_kwargs(model_dir, tp, expert_parallel))
-        result = verify_engine(llm, model_dir, tp=tp, ep=expert_parallel, validate=validate)
+        verify_engine(llm, model_dir, tp=tp, ep=expert_parallel, validate=validate, corrupt=corrupt, result=result)
     except Exception as e:  # a clear message, not only vLLM's worker traceback
         cause = str(e).strip().splitlines()
         result["error"] = f"{type(e).__name__}: {cause[-1] if cause else ''}"
