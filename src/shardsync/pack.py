@@ -13,7 +13,7 @@ same offsets and copies them into its parameters. Copies are batched with ``torc
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Hashable, Mapping
 
 import msgspec
 import torch
@@ -57,23 +57,29 @@ class GroupLayout(msgspec.Struct, frozen=True, kw_only=True):
     """Total buffer size, alignment padding included."""
 
 
-def layout_group(g: GroupPlan, *, align: int = ALIGN, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> GroupLayout:
+def layout_group(g: GroupPlan, *, align: int = ALIGN, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 split_key: Callable[[Scatter], Hashable] | None = None) -> GroupLayout:
     """Pure: aligned offsets in recorded order, cut into chunks of at most ``max_chunk_bytes``
-    (a single slice larger than that gets a chunk of its own)."""
+    (a single slice larger than that gets a chunk of its own). ``split_key`` also cuts wherever its
+    value changes between consecutive slices (e.g. the set of producers holding the source, so that
+    each chunk can be pulled from one producer)."""
     if align <= 0 or align & (align - 1):
         raise ValueError(f"align must be a power of two, got {align}")
     offsets: list[int] = []
     chunks: list[Chunk] = []
     pos = start = first = 0
+    key = None
     for i, s in enumerate(g.scatters):
         n = s.nbytes
         off = _align(pos, align)
-        if i > first and off + n - start > max_chunk_bytes:
+        k = split_key(s) if split_key is not None else None
+        if i > first and (off + n - start > max_chunk_bytes or k != key):
             chunks.append(Chunk(index=len(chunks), start=start, nbytes=pos - start, first=first, stop=i))
             start = off
             first = i
         offsets.append(off)
         pos = off + n
+        key = k
     if g.scatters:
         chunks.append(Chunk(index=len(chunks), start=start, nbytes=pos - start, first=first, stop=len(g.scatters)))
     return GroupLayout(group=g.name, offsets=tuple(offsets), chunks=tuple(chunks), nbytes=_align(pos, align))

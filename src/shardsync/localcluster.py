@@ -1,0 +1,184 @@
+"""Run producers and consumers as real processes on this machine (tests, ``demo``, ``bench``).
+
+Producers hold a pipeline-parallel share of a zoo model's layers (rank 0 also ``pre``, the last rank
+``post``); consumers are ``replicas × tp`` loader-zoo models with vLLM loader semantics. Every sync
+the trainer's weights change (seed = version); each consumer then compares its parameters, byte for
+byte, with its own loaders run on the same full tensors::
+
+    with LocalCluster(ZooConfig.qwen3_moe_tiny(), producers=2, replicas=2, tp=2, transport="tcp") as cl:
+        for v in (1, 2, 3):
+            report = cl.sync(v)      # {"producers": [...], "consumers": [...]} with "exact" per consumer
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from .groups import weight_group
+from .zoo import ZooConfig
+
+_CTX = mp.get_context("spawn")
+
+
+def pp_share(names: list[str], rank: int, n: int) -> list[str]:
+    """Names pipeline stage ``rank`` of ``n`` holds: a contiguous block of layers (+pre on 0, +post on last)."""
+    layers = sorted({int(weight_group(x).rsplit(".", 1)[1]) for x in names if weight_group(x) not in ("pre", "post")})
+    per = -(-len(layers) // n)
+    mine = set(layers[rank * per:(rank + 1) * per])
+    out = []
+    for x in names:
+        g = weight_group(x)
+        if (g == "pre" and rank == 0) or (g == "post" and rank == n - 1) or \
+                (g not in ("pre", "post") and int(g.rsplit(".", 1)[1]) in mine):
+            out.append(x)
+    return out
+
+
+def _producer_main(rank: int, n: int, cfg: dict, pcfg: dict, cmd: Any, out: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        from .producer import Producer, ProducerConfig
+        from .source import ModuleSource
+        from .zoo import hf_state_dict
+
+        zc = ZooConfig(**cfg)
+        names = list(hf_state_dict(zc, seed=0))
+        held = pp_share(names, rank, n)
+
+        class Source(ModuleSource):  # the trainer: weights change every step
+            def set_version(self, v: int) -> None:
+                sd = hf_state_dict(zc, seed=v)
+                self._state = {k: sd[k] for k in names}
+
+        src = Source(hf_state_dict(zc, seed=0), held=held)
+        prod = Producer(src, ProducerConfig(**pcfg))
+        out.put(("address", rank, prod.address))
+        prod.init()
+        out.put(("ready", rank, prod.stats))
+        while (msg := cmd.get()) is not None:
+            src.set_version(msg)
+            out.put(("synced", rank, prod.sync(msg)))
+        prod.close()
+    except BaseException as e:  # report, never hang the parent
+        out.put(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token: str, transport: str,
+                   timeout_s: float, cmd: Any, out: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        from .consumer import Consumer
+        from .pack import GroupUnpacker, layout_group
+        from .record import record_plan
+        from .zoo import ZooModel, hf_state_dict
+
+        zc = ZooConfig(**cfg)
+        live = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
+        params = dict(live.named_parameters())
+
+        def record(metas):
+            dry = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
+            return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
+                               consumer=cid, rank=tp_rank)
+
+        unpackers: dict = {}
+
+        def apply(group: str, buf: torch.Tensor) -> None:
+            if group not in unpackers:
+                g = cons.plan.group(group)
+                unpackers[group] = GroupUnpacker(g, layout_group(g))
+            unpackers[group].unpack(buf, params)
+
+        cons = Consumer(cid, coord, token=token, record=record, apply=apply, transport=transport, timeout_s=timeout_s)
+        cons.init()
+        out.put(("ready", cid, cons.stats))
+        while (v := cmd.get()) is not None:
+            stats = cons.sync(v)
+            ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
+            ref.load_weights(hf_state_dict(zc, seed=v).items())
+            rs = ref.state_dict()
+            stats["mismatched"] = [k for k, t in live.state_dict().items()
+                                   if not torch.equal(t.view(-1).view(torch.uint8), rs[k].view(-1).view(torch.uint8))]
+            stats["exact"] = not stats["mismatched"]
+            out.put(("synced", cid, stats))
+        cons.close()
+    except BaseException as e:
+        out.put(("error", cid, f"consumer {cid}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+class LocalCluster:
+    def __init__(self, cfg: ZooConfig, *, producers: int = 2, replicas: int = 2, tp: int = 2, transport: str = "tcp",
+                 lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0):
+        self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
+        self.timeout_s = timeout_s
+        self.out = _CTX.Queue()
+        self.token = secrets.token_hex(8)
+        self.procs: list[Any] = []
+        self.cmds: dict[Any, Any] = {}
+        c = asdict(cfg)
+        n_cons = replicas * tp
+        base = dict(n_producers=producers, n_consumers=n_cons, token=self.token, transport=transport,
+                    lookahead=lookahead, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
+        q0 = _CTX.Queue()
+        self._start(_producer_main, (0, producers, c, dict(base, rank=0), q0, self.out), 0, q0)
+        coord = self._expect("address", {0})[0]
+        for r in range(1, producers):
+            q = _CTX.Queue()
+            self._start(_producer_main, (r, producers, c, dict(base, rank=r, coordinator=coord), q, self.out), r, q)
+        self._expect("address", set(range(1, producers)))
+        self.consumer_ids = [f"r{i}/tp{t}" for i in range(replicas) for t in range(tp)]
+        for cid in self.consumer_ids:
+            q = _CTX.Queue()
+            t = int(cid.split("tp")[1])
+            self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, self.out), cid, q)
+        ready = self._expect("ready", set(range(producers)) | set(self.consumer_ids))
+        self.init_stats = ready
+
+    def _start(self, fn, args, key, q) -> None:
+        p = _CTX.Process(target=fn, args=args, daemon=True)
+        p.start()
+        self.procs.append(p)
+        self.cmds[key] = q
+
+    def _expect(self, kind: str, keys: set) -> list[Any]:
+        got: dict[Any, Any] = {}
+        while keys - got.keys():
+            try:
+                k, who, payload = self.out.get(timeout=self.timeout_s * 2)
+            except Exception:
+                raise TimeoutError(f"local cluster: no {kind!r} from {sorted(map(str, keys - got.keys()))}") from None
+            if k == "error":
+                raise RuntimeError(payload)
+            if k == kind:
+                got[who] = payload
+        return [got[k] for k in sorted(got, key=str)]
+
+    def sync(self, version: int) -> dict[str, Any]:
+        for q in self.cmds.values():
+            q.put(version)
+        res = self._expect("synced", set(self.cmds))
+        prods = [r for r in res if "bytes_sent" in r]
+        cons = [r for r in res if "bytes_received" in r]
+        return {"version": version, "producers": prods, "consumers": cons,
+                "exact": all(c["exact"] for c in cons)}
+
+    def close(self) -> None:
+        for q in self.cmds.values():
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

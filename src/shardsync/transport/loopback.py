@@ -1,0 +1,54 @@
+"""In-process transport: a read is a memory copy from a buffer registered in this process.
+
+    t = LoopbackTransport()
+    desc = t.register(buf); t.connect(0, desc); t.read(0, 0, 64, out, timeout_s=1)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import TransportError
+from .base import Caps, check_range
+
+_REGISTRY: dict[int, torch.Tensor] = {}
+_IDS = itertools.count()
+_LOCK = threading.Lock()
+
+
+class LoopbackTransport:
+    name = "loopback"
+    caps = Caps(one_sided=True, gpu=True, can_abort=True, cross_process=False)
+
+    def __init__(self) -> None:
+        self._mine: list[int] = []
+        self._peers: dict[int, int] = {}
+
+    def register(self, buf: torch.Tensor) -> dict[str, Any]:
+        with _LOCK:
+            key = next(_IDS)
+            _REGISTRY[key] = buf
+        self._mine.append(key)
+        return {"key": key, "nbytes": buf.numel()}
+
+    def connect(self, producer: int, desc: dict[str, Any]) -> None:
+        self._peers[producer] = int(desc["key"])
+
+    def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
+        key = self._peers.get(producer)
+        buf = _REGISTRY.get(key) if key is not None else None
+        if buf is None:
+            raise TransportError(f"loopback: producer {producer} is not connected or has closed its buffer")
+        check_range(buf.numel(), offset, nbytes, into, f"producer {producer}")
+        into[:nbytes].copy_(buf[offset: offset + nbytes])
+
+    def close(self) -> None:
+        with _LOCK:
+            for key in self._mine:
+                _REGISTRY.pop(key, None)
+        self._mine.clear()
+        self._peers.clear()

@@ -1,0 +1,143 @@
+"""TCP transport: the producer serves reads of its registered buffer from a socket thread.
+
+Two-sided underneath, one-sided to the engine. Works between any processes (vLLM workers included);
+binds to the configured interface and checks a shared token on every connection::
+
+    t = TcpTransport(host="127.0.0.1", token="s3cret")
+    desc = t.register(buf)                       # producer: starts the serving thread
+    t.connect(0, desc); t.read(0, 0, 1 << 20, out, timeout_s=10)   # consumer
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+
+from ..errors import TransportError
+from .base import Caps, check_range
+
+_REQ = struct.Struct("!QQ")  # offset, nbytes
+_OK, _ERR = b"K", b"E"
+
+
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | None:
+    """Read exactly n bytes (into ``into`` when given). Raises ConnectionError on EOF."""
+    buf = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        k = sock.recv_into(buf[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return None if into is not None else bytes(buf)
+
+
+class TcpTransport:
+    name = "tcp"
+    caps = Caps(one_sided=False, gpu=False, can_abort=True)
+
+    def __init__(self, *, host: str = "127.0.0.1", token: str = "", port: int = 0):
+        self.host, self.token, self.port = host, token, port
+        self._server: socket.socket | None = None
+        self._buf: torch.Tensor | None = None
+        self._peers: dict[int, socket.socket] = {}
+        self._peer_locks: dict[int, threading.Lock] = {}
+        self._sizes: dict[int, int] = {}
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------ producer
+    def register(self, buf: torch.Tensor) -> dict[str, Any]:
+        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise TransportError("tcp transport registers contiguous uint8 CPU buffers only")
+        self._buf = buf
+        self._server = socket.create_server((self.host, self.port))
+        self._server.settimeout(0.2)
+        t = threading.Thread(target=self._accept_loop, name="shardsync-tcp-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return {"host": self.host, "port": self._server.getsockname()[1], "nbytes": buf.numel()}
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except (socket.timeout, OSError):
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        assert self._buf is not None
+        mv = memoryview(self._buf.numpy())
+        with conn:
+            try:
+                conn.settimeout(None)
+                token = recv_exact(conn, struct.unpack("!H", recv_exact(conn, 2))[0])
+                if not hmac.compare_digest(token, self.token.encode()):
+                    conn.sendall(_ERR)
+                    return
+                conn.sendall(_OK)
+                while not self._closed.is_set():
+                    off, n = _REQ.unpack(recv_exact(conn, _REQ.size))
+                    if off + n > len(mv):
+                        conn.sendall(_ERR)
+                        continue
+                    conn.sendall(_OK)
+                    conn.sendall(mv[off: off + n])
+            except (ConnectionError, OSError):
+                return
+
+    # ------------------------------------------------------------ consumer
+    def connect(self, producer: int, desc: dict[str, Any], *, timeout_s: float = 30.0) -> None:
+        try:
+            s = socket.create_connection((desc["host"], int(desc["port"])), timeout=timeout_s)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tok = self.token.encode()
+            s.sendall(struct.pack("!H", len(tok)) + tok)
+            if recv_exact(s, 1) != _OK:
+                raise TransportError(f"tcp: producer {producer} at {desc['host']}:{desc['port']} rejected the token")
+        except (OSError, ConnectionError) as e:
+            raise TransportError(f"tcp: cannot connect to producer {producer} at {desc.get('host')}:"
+                                 f"{desc.get('port')}: {e}") from None
+        self._peers[producer] = s
+        self._peer_locks[producer] = threading.Lock()
+        self._sizes[producer] = int(desc["nbytes"])
+
+    def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
+        s = self._peers.get(producer)
+        if s is None:
+            raise TransportError(f"tcp: producer {producer} is not connected")
+        check_range(self._sizes[producer], offset, nbytes, into, f"producer {producer}")
+        if nbytes == 0:
+            return
+        with self._peer_locks[producer]:
+            try:
+                s.settimeout(timeout_s)
+                s.sendall(_REQ.pack(offset, nbytes))
+                if recv_exact(s, 1) != _OK:
+                    raise TransportError(f"tcp: producer {producer} refused read [{offset}, {offset + nbytes})")
+                recv_exact(s, nbytes, memoryview(into[:nbytes].numpy()))
+            except socket.timeout:
+                raise TransportError(f"tcp: read [{offset}, {offset + nbytes}) from producer {producer} did not "
+                                     f"complete within {timeout_s} s") from None
+            except (OSError, ConnectionError) as e:
+                raise TransportError(f"tcp: read [{offset}, {offset + nbytes}) from producer {producer} failed: "
+                                     f"{e}") from None
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._server is not None:
+            self._server.close()
+        for s in self._peers.values():
+            try:
+                s.close()
+            except OSError:
+                pass
+        self._peers.clear()
