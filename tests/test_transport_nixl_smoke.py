@@ -25,16 +25,18 @@ def _producer(q, stop) -> None:  # runs in a spawned process
     t = NixlTransport(name="smoke-producer")
     buf = _pattern(N)
     q.put(t.register(buf))
-    stop.wait(120)
-    t.close()
+    try:
+        stop.get(timeout=120)  # anything on this queue means: exit
+    finally:
+        t.close()
 
 
 @pytest.mark.timeout(120)
-def test_nixl_read_ranges_and_dead_peer(record_property):
+def test_nixl_read_ranges_and_dead_peer():
     from shardsync.transport.nixl import NixlTransport
 
     ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
+    q, stop = ctx.Queue(), ctx.Queue()  # no Event: killing its waiter leaves it locked
     proc = ctx.Process(target=_producer, args=(q, stop), daemon=True)
     proc.start()
     consumer = None
@@ -52,11 +54,8 @@ def test_nixl_read_ranges_and_dead_peer(record_property):
             consumer.read(0, off, n, out, timeout_s=5)
             assert torch.equal(out[:n], ref[off:off + n]), (off, n)
 
-        t0 = time.perf_counter()
-        consumer.read(0, N - (32 << 20), 32 << 20, out, timeout_s=5)
-        dt = time.perf_counter() - t0
+        consumer.read(0, N - (32 << 20), 32 << 20, out, timeout_s=5)  # the last 32 MiB
         assert torch.equal(out, ref[N - (32 << 20):])
-        record_property("nixl_32mib_read_gbps", round((32 << 20) / dt / 1e9, 3))
 
         small = torch.empty(100, dtype=torch.uint8)  # a second destination buffer
         consumer.read(0, 1000, 100, small, timeout_s=5)
@@ -83,9 +82,11 @@ def test_nixl_read_ranges_and_dead_peer(record_property):
         with pytest.raises(TransportError):
             consumer.read(0, 0, 10, out, timeout_s=5)
     finally:
-        stop.set()
         if consumer is not None:
             consumer.close()
+        if proc.is_alive():
+            stop.put(None)
+            proc.join(10)
         if proc.is_alive():
             proc.kill()
         proc.join(10)

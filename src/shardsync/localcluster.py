@@ -122,6 +122,7 @@ class LocalCluster:
         self.token = secrets.token_hex(8)
         self.procs: list[Any] = []
         self.cmds: dict[Any, Any] = {}
+        self.by_key: dict[Any, Any] = {}
         c = asdict(cfg)
         n_cons = replicas * tp
         base = dict(n_producers=producers, n_consumers=n_cons, token=self.token, transport=transport,
@@ -145,7 +146,14 @@ class LocalCluster:
         p = _CTX.Process(target=fn, args=args, daemon=True)
         p.start()
         self.procs.append(p)
+        self.by_key[key] = p
         self.cmds[key] = q
+
+    def kill(self, key: Any) -> None:
+        """Fault injection: SIGKILL one producer (by rank) or consumer (by id)."""
+        self.by_key[key].kill()
+        self.by_key[key].join(5)
+        del self.cmds[key]
 
     def _expect(self, kind: str, keys: set) -> list[Any]:
         got: dict[Any, Any] = {}

@@ -1,0 +1,93 @@
+"""The transfer engine with real processes: producers (PP shares) -> replicas x TP consumers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shardsync.errors import MetadataMismatch
+from shardsync.localcluster import LocalCluster, pp_share
+from shardsync.route import holders_from_ownership, route_plans
+from shardsync.record import record_plan
+from shardsync.source import ModuleSource
+from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+
+CFG = ZooConfig.qwen3_moe_tiny(layers=4)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_two_producers_two_replicas_tp2_three_syncs_bit_exact(transport: str) -> None:
+    with LocalCluster(CFG, producers=2, replicas=2, tp=2, transport=transport, lookahead=1,
+                      max_chunk_bytes=64 << 10, timeout_s=60) as cl:
+        for v in (1, 2, 3):
+            r = cl.sync(v)
+            assert r["exact"], [c["mismatched"][:3] for c in r["consumers"]]
+            sent = [p["bytes_sent"] for p in r["producers"]]
+            assert min(sent) > 0.8 * max(sent), sent  # PP halves: balanced
+            for p in r["producers"]:  # instrumented: never more than lookahead + 1 groups resident
+                assert 1 <= p["max_resident"] <= p["lookahead"] + 1, p
+            recv = [c["bytes_received"] for c in r["consumers"]]
+            assert sum(sent) == sum(recv)  # nothing is sent that no consumer pulls
+            full = sum(t.nbytes for t in hf_state_dict(CFG).values())
+            assert all(0.4 * full < b < 0.6 * full for b in recv), (recv, full)  # each TP rank: about half
+
+
+def test_dead_consumer_gives_typed_error_within_timeout() -> None:
+    with LocalCluster(CFG, producers=2, replicas=1, tp=2, timeout_s=4) as cl:
+        assert cl.sync(1)["exact"]
+        cl.kill("r0/tp1")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="TransportError.*(r0/tp1|release)"):
+            cl.sync(2)
+        assert time.monotonic() - t0 < 30
+
+
+def test_dead_producer_gives_typed_error_within_timeout() -> None:
+    with LocalCluster(CFG, producers=2, replicas=1, tp=2, timeout_s=4) as cl:
+        cl.kill(1)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="consumer r0/tp[01]: TransportError.*producer 1"):
+            cl.sync(1)
+        assert time.monotonic() - t0 < 30
+
+
+def _plans(cfg: ZooConfig, tp: int, ep: int = 1):
+    metas = ModuleSource(hf_state_dict(cfg)).metadata()
+    plans = []
+    for r in range(tp):
+        m = ZooModel(cfg, tp_size=tp, tp_rank=r, ep_size=ep, ep_rank=r % ep)
+        plans.append(record_plan(metadata=metas, load_weights=m.load_weights, params=dict(m.named_parameters())))
+    return metas, plans
+
+
+def test_routes_balance_across_holders_and_share_one_route_per_plan() -> None:
+    metas, plans = _plans(CFG, tp=2)
+    names = [m.name for m in metas]
+    holders = holders_from_ownership([None, None], names)  # both producers hold everything (e.g. FSDP)
+    routes, load = route_plans({p.digest: p for p in plans}, holders, {p.digest: 2 for p in plans},
+                               max_chunk_bytes=16 << 10)
+    assert set(load) == {0, 1} and min(load.values()) > 0.8 * max(load.values()), load
+    for p in plans:  # a group stays on one producer when one holds it all
+        assert all(len(set(per)) == 1 for per in routes[p.digest].values())
+
+
+def test_routes_follow_pipeline_ownership_and_split_expert_parallel_groups() -> None:
+    metas, plans = _plans(CFG, tp=2)
+    names = [m.name for m in metas]
+    pp = holders_from_ownership([pp_share(names, 0, 2), pp_share(names, 1, 2)], names)
+    routes, _ = route_plans({p.digest: p for p in plans}, pp, {})
+    for p in plans:
+        assert set(routes[p.digest]["model.layers.0"]) == {0} and set(routes[p.digest]["model.layers.3"]) == {1}
+    # EP trainer: experts of every layer split over two producers; the rest on both
+    ep_held = [[n for n in names if ".experts." not in n or int(n.split(".experts.")[1].split(".")[0]) % 2 == r]
+               for r in range(2)]
+    routes, _ = route_plans({p.digest: p for p in plans}, holders_from_ownership(ep_held, names), {})
+    assert all(set(per) == {0, 1} for p in plans for g, per in routes[p.digest].items() if g.startswith("model.layers"))
+
+
+def test_a_needed_name_without_an_owner_fails_clearly() -> None:
+    metas, plans = _plans(CFG, tp=1)
+    names = [m.name for m in metas if m.name != "model.layers.2.mlp.gate.weight"]
+    with pytest.raises(MetadataMismatch, match="'model.layers.2.mlp.gate.weight'.*no producer holds"):
+        route_plans({plans[0].digest: plans[0]}, holders_from_ownership([names], names), {})

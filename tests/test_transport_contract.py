@@ -1,0 +1,129 @@
+"""One contract every transport passes: exact bytes for any range, typed errors for bad ranges, and a
+killed producer surfaces as TransportError within the read timeout (never a hang)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+import pytest
+import torch
+
+from shardsync.errors import TransportError
+from shardsync.transport import make_transport
+
+CTX = mp.get_context("spawn")
+N = 3 * (1 << 20) + 123
+RANGES = [(0, 0), (0, 64), (7, 1001), (N - 5, 5), (0, N), (1 << 20, 2 << 20)]
+
+
+def pattern(n: int = N) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kwargs(name: str) -> dict:
+    return {"tcp": {"host": "127.0.0.1", "token": "tok"}}.get(name, {})
+
+
+def _init_dist(name: str, rank: int, port: int) -> None:
+    if name == "torch":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=20))
+
+
+def _producer(name: str, port: int, out, stop) -> None:
+    _init_dist(name, 0, port)
+    t = make_transport(name, **_kwargs(name))
+    buf = pattern()
+    out.put(t.register(buf))
+    try:  # a Queue, not an Event: setting an Event a killed process waited on can deadlock
+        stop.get(timeout=60)
+    except Exception:
+        pass
+
+
+def _consumer(name: str, port: int, desc_q, out, go) -> None:
+    try:
+        _init_dist(name, 1, port)
+        t = make_transport(name, **_kwargs(name))
+        t.connect(0, desc_q.get(timeout=30))
+        ref = pattern()
+        ok = []
+        for off, n in RANGES:
+            into = torch.zeros(n + 3, dtype=torch.uint8)
+            t.read(0, off, n, into, timeout_s=10)
+            ok.append(torch.equal(into[:n], ref[off: off + n]) and not into[n:].any())
+        try:
+            t.read(0, N - 10, 11, torch.zeros(11, dtype=torch.uint8), timeout_s=5)
+            ok.append(False)
+        except TransportError:
+            ok.append(True)
+        out.put(("reads", ok))
+        go.wait(60)
+        t0 = time.monotonic()
+        try:
+            t.read(0, 0, 1 << 20, torch.zeros(1 << 20, dtype=torch.uint8), timeout_s=3)
+            out.put(("dead", "no error", time.monotonic() - t0))
+        except TransportError as e:
+            out.put(("dead", f"TransportError: {e}", time.monotonic() - t0))
+        except Exception as e:  # wrong error type is a contract failure
+            out.put(("dead", f"{type(e).__name__}: {e}", time.monotonic() - t0))
+    except BaseException as e:
+        out.put(("crash", f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("name", ["tcp", "torch", "nixl"])
+def test_cross_process_contract(name: str) -> None:
+    port = _free_port()
+    desc_q, out, stop, go = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Event()
+    prod = CTX.Process(target=_producer, args=(name, port, desc_q, stop), daemon=True)
+    cons = CTX.Process(target=_consumer, args=(name, port, desc_q, out, go), daemon=True)
+    prod.start(), cons.start()
+    try:
+        kind, ok = out.get(timeout=120)
+        assert kind == "reads", ok
+        assert all(ok), ok
+        prod.kill()  # the producer dies: the next read must fail, typed, within its timeout
+        prod.join(10)
+        go.set()
+        kind, err, elapsed = out.get(timeout=60)
+        assert kind == "dead" and err.startswith("TransportError"), err
+        assert elapsed < 3 + 10, elapsed
+        assert "producer 0" in err, err
+    finally:
+        stop.put(None), go.set()
+        for p in (prod, cons):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+
+
+def test_loopback_contract() -> None:
+    prod, cons = make_transport("loopback"), make_transport("loopback")
+    buf = pattern()
+    cons.connect(0, prod.register(buf))
+    for off, n in RANGES:
+        into = torch.zeros(n, dtype=torch.uint8)
+        cons.read(0, off, n, into, timeout_s=1)
+        assert torch.equal(into, buf[off: off + n])
+    with pytest.raises(TransportError):
+        cons.read(0, N - 1, 2, torch.zeros(2, dtype=torch.uint8), timeout_s=1)
+    prod.close()  # the producer goes away
+    with pytest.raises(TransportError, match="producer 0"):
+        cons.read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), timeout_s=1)
+
+
+def test_unknown_transport_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="known: .*tcp"):
+        make_transport("carrier-pigeon")
