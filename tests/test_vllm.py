@@ -68,3 +68,16 @@ def test_unsupported_loader_op_fails_init_with_its_name(ckpts, tmp_path) -> None
     assert rc == 1 and r["exact"] is False
     assert "unsupported op 'mul'" in r["error"] and "'model.norm.weight'" in r["error"], r["error"]
     assert r["unchanged_after_failed_init"] is True  # live weights restored after the failed dry run
+
+
+def test_transfer_engine_into_two_real_vllm_replicas_tp2(tmp_path) -> None:
+    """make demo's run: 2 producer processes (PP halves) -> 2 vLLM replicas x TP2 through the engine."""
+    proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "demo", "--json", "--syncs", "3"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and len(rows) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in rows:
+        assert r["exact"] and r["tensors_compared"] > 0
+        assert len(r["bytes_per_consumer"]) == 4
+        assert all(0.45 * r["full_model_bytes"] < b < 0.56 * r["full_model_bytes"] for b in r["bytes_per_consumer"])

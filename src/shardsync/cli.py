@@ -13,8 +13,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardsync", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="sync a tiny Qwen3-MoE into TP consumers and check every byte")
+    d = sub.add_parser("demo", help="producers sync a tiny Qwen3-MoE into real vLLM replicas; every byte checked")
+    d.add_argument("--consumers", choices=["vllm", "zoo"], default="vllm",
+                   help="vllm: real vLLM replicas through the transfer engine; zoo: in-process loopback")
     d.add_argument("--tp", type=int, default=2)
+    d.add_argument("--replicas", type=int, default=2)
+    d.add_argument("--producers", type=int, default=2)
+    d.add_argument("--transport", default="tcp")
     d.add_argument("--syncs", type=int, default=3)
     d.add_argument("--json", action="store_true")
     v = sub.add_parser("verify", help="start real vLLM on MODEL_DIR, sync perturbed weights, compare bytes")
@@ -26,9 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.cmd == "demo":
-        from .demo import run_zoo_demo
+        if args.consumers == "zoo":
+            from .demo import run_zoo_demo
 
-        return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
+            return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
+        from .integrations.vllm.demo import run_vllm_demo
+
+        return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
+                                  transport=args.transport, as_json=args.json) else 1
     if args.cmd == "verify":
         from .integrations.vllm.verify import run_verify
 

@@ -41,23 +41,40 @@ def pp_share(names: list[str], rank: int, n: int) -> list[str]:
     return out
 
 
-def _producer_main(rank: int, n: int, cfg: dict, pcfg: dict, cmd: Any, out: Any) -> None:
+class VersionedSource:
+    """Factory for a trainer rank's source whose weights change every step (seed = version)."""
+
+    @staticmethod
+    def make(spec: dict, rank: int, n: int):
+        from .source import ModuleSource
+
+        if spec["kind"] == "zoo":
+            from .zoo import hf_state_dict
+
+            zc = ZooConfig(**spec["cfg"])
+            weights_at = lambda v: hf_state_dict(zc, seed=v)  # noqa: E731
+        else:  # a checkpoint on disk, perturbed deterministically per version
+            from .integrations.vllm.checkpoints import load_checkpoint, perturb
+
+            base = load_checkpoint(spec["path"])
+            weights_at = lambda v: perturb(base, v)  # noqa: E731
+        first = weights_at(0)
+        names = list(first)
+
+        class Source(ModuleSource):
+            def set_version(self, v: int) -> None:
+                sd = weights_at(v)
+                self._state = {k: sd[k] for k in names}
+
+        return Source(first, held=pp_share(names, rank, n))
+
+
+def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         from .producer import Producer, ProducerConfig
-        from .source import ModuleSource
-        from .zoo import hf_state_dict
 
-        zc = ZooConfig(**cfg)
-        names = list(hf_state_dict(zc, seed=0))
-        held = pp_share(names, rank, n)
-
-        class Source(ModuleSource):  # the trainer: weights change every step
-            def set_version(self, v: int) -> None:
-                sd = hf_state_dict(zc, seed=v)
-                self._state = {k: sd[k] for k in names}
-
-        src = Source(hf_state_dict(zc, seed=0), held=held)
+        src = VersionedSource.make(spec, rank, n)
         prod = Producer(src, ProducerConfig(**pcfg))
         out.put(("address", rank, prod.address))
         prod.init()
@@ -114,8 +131,12 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
 
 
 class LocalCluster:
-    def __init__(self, cfg: ZooConfig, *, producers: int = 2, replicas: int = 2, tp: int = 2, transport: str = "tcp",
-                 lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0):
+    """``external_consumers=N`` starts only the producers (and a coordinator expecting N consumers, e.g.
+    vLLM workers started by the caller): call :meth:`wait_ready` once those have initialised."""
+
+    def __init__(self, cfg: ZooConfig | None, *, producers: int = 2, replicas: int = 2, tp: int = 2,
+                 transport: str = "tcp", lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0,
+                 spec: dict | None = None, external_consumers: int = 0):
         self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
         self.timeout_s = timeout_s
         self.out = _CTX.Queue()
@@ -123,24 +144,32 @@ class LocalCluster:
         self.procs: list[Any] = []
         self.cmds: dict[Any, Any] = {}
         self.by_key: dict[Any, Any] = {}
-        c = asdict(cfg)
-        n_cons = replicas * tp
+        c = asdict(cfg) if cfg is not None else {}
+        n_cons = external_consumers or replicas * tp
         base = dict(n_producers=producers, n_consumers=n_cons, token=self.token, transport=transport,
                     lookahead=lookahead, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
         q0 = _CTX.Queue()
-        self._start(_producer_main, (0, producers, c, dict(base, rank=0), q0, self.out), 0, q0)
+        spec = spec or {"kind": "zoo", "cfg": c}
+        self._start(_producer_main, (0, producers, spec, dict(base, rank=0), q0, self.out), 0, q0)
         coord = self._expect("address", {0})[0]
         for r in range(1, producers):
             q = _CTX.Queue()
-            self._start(_producer_main, (r, producers, c, dict(base, rank=r, coordinator=coord), q, self.out), r, q)
+            self._start(_producer_main, (r, producers, spec, dict(base, rank=r, coordinator=coord), q, self.out), r, q)
         self._expect("address", set(range(1, producers)))
+        self.coordinator = coord
+        self.consumer_ids: list[str] = []
+        if external_consumers:
+            return
         self.consumer_ids = [f"r{i}/tp{t}" for i in range(replicas) for t in range(tp)]
         for cid in self.consumer_ids:
             q = _CTX.Queue()
             t = int(cid.split("tp")[1])
             self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, self.out), cid, q)
-        ready = self._expect("ready", set(range(producers)) | set(self.consumer_ids))
-        self.init_stats = ready
+        self.wait_ready()
+
+    def wait_ready(self) -> list[Any]:
+        self.init_stats = self._expect("ready", set(range(self.n_p)) | set(self.consumer_ids))
+        return self.init_stats
 
     def _start(self, fn, args, key, q) -> None:
         p = _CTX.Process(target=fn, args=args, daemon=True)

@@ -10,6 +10,11 @@ Driver side, with vLLM's own RL API::
     llm.update_weights({"update_info": pack_updates(plans, source, version=1)})   # one dict per rank
     llm.finish_weight_update(weight_version="1")
 
+Pull mode (the transfer engine): pass ``coordinator``/``token`` in init_info instead of ``metadata``; each
+worker then registers its plan with the producers and ``update_weights({"update_info": {"version": v}})``
+makes every worker pull its own slices from the producers that hold them, in parallel with the trainer
+ranks' ``Producer.sync(v)``.
+
 At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
 ``load_weights`` (live weights untouched), checks it against the real loaders on random data
 (``validate``), and writes it as JSON. A sync writes each received group's slices into vLLM's
@@ -45,10 +50,21 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     capture: bool = False
     """Testing aid: save each layer's checkpoint-format tensors before processing, per update."""
     consumer: str = ""
+    coordinator: list[Any] | None = None
+    """Pull mode: address [host, port] of producer 0's control server. Workers then learn the metadata
+    from it, register their plans, and pull every sync from the producers (no data through the driver)."""
+    token: str = ""
+    transport: str = "tcp"
+    transport_kwargs: dict[str, Any] = field(default_factory=dict)
+    replica: str = "r0"
+    """This engine's replica id (consumers are ``{replica}/rank{R}``)."""
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not self.metadata or not self.plan_dir:
-            raise ValueError("shardsync init_info needs 'metadata' (list of ParamMeta dicts) and 'plan_dir'")
+        if not self.plan_dir:
+            raise ValueError("shardsync init_info needs 'plan_dir'")
+        if not self.metadata and self.coordinator is None:
+            raise ValueError("shardsync init_info needs 'metadata' (driver mode) or 'coordinator' (pull mode)")
 
 
 @dataclass
@@ -87,6 +103,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         super().__init__(config, vllm_config, device, model)
         self.rank = _rank()
         self.plan = None
+        self.consumer = None
         self.applier: LayerApplier | None = None
         self.version = 0
         self.plan_dir = ""
@@ -99,12 +116,27 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
         t0 = time.perf_counter()
-        metas = [ParamMeta.from_dict(d) for d in init_info.metadata]
-        consumer = init_info.consumer or f"rank{self.rank}"
-        self.plan = record_vllm_plan(self.model, self.vllm_config, metas, rank=self.rank, consumer=consumer)
-        record_s = time.perf_counter() - t0
-        checked = validate_plan(self.model, self.vllm_config, metas, self.plan, rank=self.rank) \
-            if init_info.validate else 0
+        consumer = init_info.consumer or f"{init_info.replica}/rank{self.rank}"
+        found: dict[str, Any] = {}
+
+        def record(metas):
+            found["metas"] = metas
+            plan = record_vllm_plan(self.model, self.vllm_config, metas, rank=self.rank, consumer=consumer)
+            found["record_s"] = time.perf_counter() - t0
+            found["checked"] = validate_plan(self.model, self.vllm_config, metas, plan, rank=self.rank) \
+                if init_info.validate else 0
+            return plan
+
+        if init_info.coordinator is not None:  # pull mode: the transfer engine
+            from ...consumer import Consumer
+
+            self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
+                                     apply=self._apply_async, transport=init_info.transport,
+                                     transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s)
+            self.plan = self.consumer.init()
+        else:
+            self.plan = record([ParamMeta.from_dict(d) for d in init_info.metadata])
+        metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
         self.applier = LayerApplier(self.model, self.plan)
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
@@ -136,9 +168,23 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
+    def _apply_async(self, group: str, buf: torch.Tensor) -> None:
+        """Runs on the consumer's apply thread: scatter into layerwise buffers, process finished layers."""
+        assert self.applier is not None
+        with vllm_context(self.vllm_config):
+            self.applier.apply(group, buf)
+        self._applied.add(group)
+        self._bytes += self.applier.layouts[group].nbytes
+
     def receive_weights(self, info: ShardsyncUpdateInfo) -> None:
         assert self.plan is not None and self.applier is not None
         self._op = info.op
+        if info.op == "sync" and self.consumer is not None:  # pull every group from the producers
+            if info.version <= self.version:
+                raise SyncError(f"rank {self.rank}: update version {info.version} is not newer than {self.version}")
+            self.consumer.sync(info.version)
+            self.version = info.version
+            return
         with vllm_context(self.vllm_config):
             if info.op == "reference":  # vLLM's own loading of the same full tensors (verification)
                 from .checkpoints import load_checkpoint, perturb
@@ -147,6 +193,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                 self.model.load_weights(list(full.items()))
                 self.version = info.version
                 return
+            if self.consumer is not None:
+                raise SyncError(f"rank {self.rank}: this engine pulls from producers; packed groups were pushed")
             if info.plan_digest != self.plan.digest:
                 raise PlanError(f"rank {self.rank}: update packed for plan {info.plan_digest[:12]!r}, this worker "
                                 f"recorded {self.plan.digest[:12]!r}")
@@ -186,6 +234,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                             f"({len(missing)} missing): those layers keep their previous weights")
 
     def shutdown(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close()
+            self.consumer = None
         self.applier = None
         self.plan = None
 
