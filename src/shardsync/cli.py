@@ -1,4 +1,4 @@
-"""Command line: ``shardsync demo | verify``.
+"""Command line: ``shardsync demo | verify | bench``.
 
     shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
     shardsync verify MODEL_DIR --tp 2    # will my model work? real vLLM, bit-exact check
@@ -29,6 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--json", action="store_true")
     v.add_argument("--no-validate", action="store_true", help="skip the init-time check against real loaders")
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
+    b = sub.add_parser("bench", help="shardsync vs broadcast baseline (and link SoL), side by side, on this machine")
+    b.add_argument("--model", default="qwen3-moe-bench")
+    b.add_argument("--consumers", choices=["zoo"], default="zoo",
+                   help="zoo: loader-zoo consumer processes (vLLM loader semantics)")
+    b.add_argument("--producers", type=int, default=2)
+    b.add_argument("--replicas", type=int, default=2)
+    b.add_argument("--tp", type=int, default=2)
+    b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
+    b.add_argument("--syncs", type=int, default=3)
+    b.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         if args.consumers == "zoo":
@@ -39,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
                                   transport=args.transport, as_json=args.json) else 1
+    if args.cmd == "bench":
+        from .bench import run_bench
+
+        r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
+                      transport=args.transport, syncs=args.syncs, as_json=args.json)
+        return 0 if r["exact"] else 1
     if args.cmd == "verify":
         from .integrations.vllm.verify import run_verify
 

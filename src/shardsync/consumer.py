@@ -53,6 +53,7 @@ class Consumer:
         meta = coord.call(m.Hello(consumer=self.id), timeout_s=self.timeout_s)
         assert isinstance(meta, m.TransferMeta)
         metas = [ParamMeta.from_dict(d) for d in meta.metadata]
+        self.metas = metas
         self.plan = self.record(metas)
         routes = coord.call(m.RegisterPlan(consumer=self.id, plan=self.plan.to_json()), timeout_s=self.timeout_s)
         assert isinstance(routes, m.Routes)

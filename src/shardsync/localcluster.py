@@ -75,20 +75,32 @@ def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any
         from .producer import Producer, ProducerConfig
 
         src = VersionedSource.make(spec, rank, n)
+        bl = pcfg.pop("baseline", None)
         prod = Producer(src, ProducerConfig(**pcfg))
         out.put(("address", rank, prod.address))
         prod.init()
+        if bl:
+            from . import baseline
+
+            groups = baseline.init_baseline(rank, bl["world"], bl["port"], n)
+            held = [pp_share([m.name for m in src.metadata()], p, n) for p in range(n)]
+            owner = baseline.owners(held, src.metadata())
         out.put(("ready", rank, prod.stats))
         while (msg := cmd.get()) is not None:
-            src.set_version(msg)
-            out.put(("synced", rank, prod.sync(msg)))
+            kind, v = msg
+            src.set_version(v)
+            if kind == "baseline":
+                out.put(("synced", rank, {"seconds": baseline.broadcast_send(src, src.metadata(), owner, rank, groups),
+                                          "bytes_sent": 0, "max_resident": 0, "lookahead": 0}))
+            else:
+                out.put(("synced", rank, prod.sync(v)))
         prod.close()
     except BaseException as e:  # report, never hang the parent
         out.put(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
 def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token: str, transport: str,
-                   timeout_s: float, cmd: Any, out: Any) -> None:
+                   timeout_s: float, cmd: Any, out: Any, bl: dict | None = None) -> None:
     try:
         torch.set_num_threads(1)
         from .consumer import Consumer
@@ -115,9 +127,21 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
 
         cons = Consumer(cid, coord, token=token, record=record, apply=apply, transport=transport, timeout_s=timeout_s)
         cons.init()
+        if bl:
+            from . import baseline
+
+            groups = baseline.init_baseline(bl["rank"], bl["world"], bl["port"], bl["producers"])
+            metas = [m for m in cons.metas]
+            names = [m.name for m in metas]
+            owner = baseline.owners([pp_share(names, p, bl["producers"]) for p in range(bl["producers"])], metas)
         out.put(("ready", cid, cons.stats))
-        while (v := cmd.get()) is not None:
-            stats = cons.sync(v)
+        while (msg := cmd.get()) is not None:
+            kind, v = msg
+            if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders
+                secs, got = baseline.broadcast_receive(metas, owner, groups, live.load_weights)
+                stats = {"seconds": secs, "bytes_received": got}
+            else:
+                stats = cons.sync(v)
             ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
             ref.load_weights(hf_state_dict(zc, seed=v).items())
             rs = ref.state_dict()
@@ -136,7 +160,7 @@ class LocalCluster:
 
     def __init__(self, cfg: ZooConfig | None, *, producers: int = 2, replicas: int = 2, tp: int = 2,
                  transport: str = "tcp", lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0,
-                 spec: dict | None = None, external_consumers: int = 0):
+                 spec: dict | None = None, external_consumers: int = 0, baseline: bool = False):
         self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
         self.timeout_s = timeout_s
         self.out = _CTX.Queue()
@@ -148,6 +172,14 @@ class LocalCluster:
         n_cons = external_consumers or replicas * tp
         base = dict(n_producers=producers, n_consumers=n_cons, token=self.token, transport=transport,
                     lookahead=lookahead, max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s)
+        bl = None
+        if baseline:
+            import socket
+
+            with socket.socket() as sk:
+                sk.bind(("127.0.0.1", 0))
+                bl = {"port": sk.getsockname()[1], "world": producers + n_cons, "producers": producers}
+            base["baseline"] = bl
         q0 = _CTX.Queue()
         spec = spec or {"kind": "zoo", "cfg": c}
         self._start(_producer_main, (0, producers, spec, dict(base, rank=0), q0, self.out), 0, q0)
@@ -164,7 +196,9 @@ class LocalCluster:
         for cid in self.consumer_ids:
             q = _CTX.Queue()
             t = int(cid.split("tp")[1])
-            self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, self.out), cid, q)
+            cbl = None if bl is None else dict(bl, rank=producers + self.consumer_ids.index(cid))
+            self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, self.out, cbl),
+                        cid, q)
         self.wait_ready()
 
     def wait_ready(self) -> list[Any]:
@@ -197,9 +231,10 @@ class LocalCluster:
                 got[who] = payload
         return [got[k] for k in sorted(got, key=str)]
 
-    def sync(self, version: int) -> dict[str, Any]:
+    def sync(self, version: int, *, baseline: bool = False) -> dict[str, Any]:
+        """One sync through shardsync (or, ``baseline=True``, through the broadcast baseline)."""
         for q in self.cmds.values():
-            q.put(version)
+            q.put(("baseline" if baseline else "sync", version))
         res = self._expect("synced", set(self.cmds))
         prods = [r for r in res if "bytes_sent" in r]
         cons = [r for r in res if "bytes_received" in r]
