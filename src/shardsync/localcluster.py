@@ -88,8 +88,10 @@ def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any
         out.put(("ready", rank, prod.stats))
         while (msg := cmd.get()) is not None:
             kind, v = msg
-            src.set_version(v)
-            if kind == "baseline":
+            if kind == "prepare":  # the training step: new weights (not part of the timed sync)
+                src.set_version(v)
+                out.put(("prepared", rank, None))
+            elif kind == "baseline":
                 out.put(("synced", rank, {"seconds": baseline.broadcast_send(src, src.metadata(), owner, rank, groups),
                                           "bytes_sent": 0, "max_resident": 0, "lookahead": 0}))
             else:
@@ -137,17 +139,19 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
         out.put(("ready", cid, cons.stats))
         while (msg := cmd.get()) is not None:
             kind, v = msg
+            if kind == "check":  # after every process finished the sync: compare with our own loaders
+                ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
+                ref.load_weights(hf_state_dict(zc, seed=v).items())
+                rs = ref.state_dict()
+                bad = [k for k, t in live.state_dict().items()
+                       if not torch.equal(t.view(-1).view(torch.uint8), rs[k].view(-1).view(torch.uint8))]
+                out.put(("checked", cid, bad))
+                continue
             if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders
                 secs, got = baseline.broadcast_receive(metas, owner, groups, live.load_weights)
                 stats = {"seconds": secs, "bytes_received": got}
             else:
                 stats = cons.sync(v)
-            ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
-            ref.load_weights(hf_state_dict(zc, seed=v).items())
-            rs = ref.state_dict()
-            stats["mismatched"] = [k for k, t in live.state_dict().items()
-                                   if not torch.equal(t.view(-1).view(torch.uint8), rs[k].view(-1).view(torch.uint8))]
-            stats["exact"] = not stats["mismatched"]
             out.put(("synced", cid, stats))
         cons.close()
     except BaseException as e:
@@ -233,12 +237,19 @@ class LocalCluster:
 
     def sync(self, version: int, *, baseline: bool = False) -> dict[str, Any]:
         """One sync through shardsync (or, ``baseline=True``, through the broadcast baseline)."""
+        producers = [k for k in self.cmds if isinstance(k, int)]
+        consumers = [k for k in self.cmds if not isinstance(k, int)]
+        for k in producers:
+            self.cmds[k].put(("prepare", version))
+        self._expect("prepared", set(producers))
         for q in self.cmds.values():
             q.put(("baseline" if baseline else "sync", version))
-        res = self._expect("synced", set(self.cmds))
-        prods = [r for r in res if "bytes_sent" in r]
-        cons = [r for r in res if "bytes_received" in r]
-        return {"version": version, "producers": prods, "consumers": cons,
+        res = dict(zip(sorted(self.cmds, key=str), self._expect("synced", set(self.cmds))))
+        for k in consumers:
+            self.cmds[k].put(("check", version))
+        bad = dict(zip(sorted(consumers, key=str), self._expect("checked", set(consumers))))
+        cons = [dict(res[k], consumer=k, mismatched=bad[k], exact=not bad[k]) for k in sorted(consumers, key=str)]
+        return {"version": version, "producers": [res[k] for k in sorted(producers)], "consumers": cons,
                 "exact": all(c["exact"] for c in cons)}
 
     def close(self) -> None:
