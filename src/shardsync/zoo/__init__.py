@@ -12,7 +12,7 @@ fused MoE with expert maps (per-expert or fused, transposed 3-D checkpoints)::
 
 from .layers import (ColumnParallel, FusedMoE, MergedColumnParallel, QKVParallel, Replicated, RowParallel,
                      VocabParallelEmbedding)
-from .models import ZooConfig, ZooModel, hf_state_dict
+from .models import ZooConfig, ZooModel, hf_shapes, hf_state_dict
 
 __all__ = ["ColumnParallel", "RowParallel", "QKVParallel", "MergedColumnParallel", "VocabParallelEmbedding",
-           "FusedMoE", "Replicated", "ZooConfig", "ZooModel", "hf_state_dict"]
+           "FusedMoE", "Replicated", "ZooConfig", "ZooModel", "hf_shapes", "hf_state_dict"]

@@ -54,14 +54,12 @@ class ZooConfig:
         return getattr(torch, self.dtype)
 
 
-def hf_state_dict(cfg: ZooConfig, *, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Random (never zero) full tensors with HF checkpoint names for ``cfg``."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dt = getattr(torch, cfg.ckpt_dtype)
-    out: dict[str, torch.Tensor] = {}
+def hf_shapes(cfg: ZooConfig) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint names and full shapes for ``cfg``, in checkpoint order (no data)."""
+    out: dict[str, tuple[int, ...]] = {}
 
     def add(name: str, *shape: int) -> None:
-        out[name] = (torch.randn(*shape, generator=g) * 0.5 + 0.01).to(dt).to(device)
+        out[name] = shape
 
     H, hd = cfg.hidden, cfg.head_dim
     add("model.embed_tokens.weight", cfg.vocab, H)
@@ -107,6 +105,14 @@ def hf_state_dict(cfg: ZooConfig, *, seed: int = 0, device: str = "cpu") -> dict
     if not cfg.tie:
         add("lm_head.weight", cfg.vocab, H)
     return out
+
+
+def hf_state_dict(cfg: ZooConfig, *, seed: int = 0, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Random (never zero) full tensors with HF checkpoint names for ``cfg``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dt = getattr(torch, cfg.ckpt_dtype)
+    return {name: (torch.randn(*shape, generator=g) * 0.5 + 0.01).to(dt).to(device)
+            for name, shape in hf_shapes(cfg).items()}
 
 
 class _Layer(nn.Module):
@@ -157,7 +163,9 @@ class ZooModel(nn.Module):
             self.lm_head = VocabParallelEmbedding(cfg.vocab, cfg.hidden, tp_size=tp_size, tp_rank=tp_rank, dtype=dt)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mods = dict(self.named_modules())
+        mods = self.__dict__.get("_mods")
+        if mods is None:  # cached: baselines call this once per tensor
+            mods = self.__dict__["_mods"] = dict(self.named_modules())
         loaded: set[str] = set()
         for name, w in weights:
             if self.cfg.tie and name == "lm_head.weight":

@@ -1,0 +1,484 @@
+"""GPU benchmark: Qwen3-30B-A3B-shaped weights, trainer on GPU0, consumers on GPU1 (two H200s).
+
+One command, every number measured in the same run (median of ``--iters`` syncs after warm-up):
+
+Scenario A — one consumer (TP1) on GPU1:
+  * speed of light: plan bytes / raw GPU0->GPU1 copy bandwidth measured here (CUDA IPC peer copy);
+  * shardsync over CUDA IPC and over NCCL p2p, pipelined and not (ablation), with and without the
+    FP8 process step (128x128 block scales, one fused Triton kernel, in place into kernel tensors);
+  * baselines: per-tensor NCCL broadcast + loader, and 1 GiB bucketed broadcast + loader;
+  * stage times measured alone (replay+pack, transfer, scatter, process).
+Scenario B — one TP2 replica whose two consumer processes share GPU1, over CUDA IPC: shardsync
+(each pulls only its slices) vs each consumer pulling every full tensor and keeping its share.
+Correctness: after the last sync the consumer compares, layer by layer, its checkpoint-format buffers
+and its FP8 kernel tensors with what its loaders + the same process step give on the full tensors.
+
+    python benchmarks/gpu_sync.py --out $OUT            # full model (needs two ~140 GB GPUs)
+    python benchmarks/gpu_sync.py --layers 2 --experts 8 --device cpu   # logic check on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape  # noqa: E402
+from shardsync.pack import _packed_view, dst_view, layout_group, replay  # noqa: E402
+from shardsync.record import record_plan  # noqa: E402
+from shardsync.types import ParamMeta  # noqa: E402
+from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
+FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "w13_weight", "w2_weight")
+SLOTS, RECV_SLOTS = 3, 2
+
+
+def zoo_config(args) -> ZooConfig:
+    c = json.load(open(CONFIG))
+    cfg = ZooConfig(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
+                    heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                    experts=c["num_experts"], moe_inter=c["moe_intermediate_size"], qk_norm=True)
+    if args.layers:
+        cfg = ZooConfig(**{**cfg.__dict__, "layers": args.layers})
+    if args.experts:
+        cfg = ZooConfig(**{**cfg.__dict__, "experts": args.experts})
+    if args.device == "cpu":  # logic check: shrink
+        cfg = ZooConfig(**{**cfg.__dict__, "vocab": 1024, "hidden": 256, "heads": 4, "kv_heads": 2,
+                           "head_dim": 128, "moe_inter": 128})
+    return cfg
+
+
+def metadata(cfg: ZooConfig) -> list[ParamMeta]:
+    return [ParamMeta(name=n, dtype="bfloat16", shape=s) for n, s in hf_shapes(cfg).items()]
+
+
+def make_weights(metas: list[ParamMeta], device: str, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """All full tensors as views of one flat bf16 buffer (random, never zero)."""
+    total = sum(m.numel for m in metas)
+    flat = torch.empty(total, dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    step = 1 << 28
+    for i in range(0, total, step):
+        n = min(step, total - i)
+        flat[i:i + n].copy_(torch.randn(n, generator=g, device=device) * 0.5 + 0.01)
+    return flat, dict(zip((m.name for m in metas), _views(flat, metas)))
+
+
+def _views(flat: torch.Tensor, metas) -> list[torch.Tensor]:
+    out, off = [], 0
+    for m in metas:
+        out.append(flat[off: off + m.numel].view(m.shape))
+        off += m.numel
+    return out
+
+
+def record(cfg: ZooConfig, metas, tp: int, rank: int):
+    with torch.device("meta"):
+        dry = ZooModel(cfg, tp_size=tp, tp_rank=rank)
+    return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
+                       consumer=f"tp{rank}", rank=rank)
+
+
+class Side:
+    """Prepared copy lists of one plan: producer pack (per slot) and consumer unpack (per recv slot)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.groups = [g.name for g in plan.groups]
+        self.layouts = {g.name: layout_group(g) for g in plan.groups}
+        self.max_group = max(lay.nbytes for lay in self.layouts.values())
+
+    def prepare_pack(self, weights, slots, base: dict[str, int] | None = None):
+        self.pack_src, self.pack_dst = {}, {}
+        for g in self.plan.groups:
+            lay, b = self.layouts[g.name], (base or {}).get(g.name, 0)
+            self.pack_src[g.name] = [replay(s, weights[s.src]) for s in g.scatters]
+            self.pack_dst[g.name] = [[_packed_view(slot, b + lay.offsets[i], s) for i, s in enumerate(g.scatters)]
+                                     for slot in slots]
+
+    def pack(self, g: str, slot: int) -> None:
+        torch._foreach_copy_(self.pack_dst[g][slot], self.pack_src[g])
+
+    def prepare_unpack(self, params, recv):
+        self.un_dst, self.un_src = {}, {}
+        for g in self.plan.groups:
+            lay = self.layouts[g.name]
+            self.un_dst[g.name] = [dst_view(params[s.dst], s) for s in g.scatters]
+            self.un_src[g.name] = [[_packed_view(r, lay.offsets[i], s) for i, s in enumerate(g.scatters)]
+                                   for r in recv]
+            for f in g.fills:
+                dst_view(params[f.dst], f).fill_(f.value)
+
+    def unpack(self, g: str, r: int) -> None:
+        torch._foreach_copy_(self.un_dst[g], self.un_src[g][r])
+
+
+class Processor:
+    """The FP8 process step: per layer, quantise its linear / expert weights into kernel tensors."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self.by_group: dict[str, list] = {}
+        for n, p in params.items():
+            if n.endswith(FP8_SUFFIXES):
+                q = torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device)
+                s = torch.empty(scale_shape(tuple(p.shape)), dtype=torch.float32, device=p.device)
+                self.by_group.setdefault(n.rsplit(".", 3)[0] if ".layers." in n else "pre", []).append((p, q, s, n))
+
+    def group_of(self, g: str) -> list:
+        return self.by_group.get(g, [])
+
+    def run(self, g: str) -> None:
+        for p, q, s, _ in self.group_of(g):
+            quantize_fp8_blocks(p, q, s)
+
+
+def barrier(dev) -> None:
+    dist.barrier(device_ids=[dev.index]) if dev.type == "cuda" else dist.barrier()
+
+
+def sync_dev(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------- A
+def scenario_a_producer(args, q_in, q_out, flags):
+    dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = zoo_config(args)
+    metas = metadata(cfg)
+    flat, weights = make_weights(metas, str(dev), seed=1)
+    plan = record(cfg, metas, 1, 0)
+    side = Side(plan)
+    slots = [torch.empty(side.max_group, dtype=torch.uint8, device=dev) for _ in range(SLOTS)]
+    if dev.type == "cpu":
+        flat.share_memory_()
+        for sl in slots:
+            sl.share_memory_()
+        weights = {n: v for n, v in zip(weights, _views(flat, metas))}
+    side.prepare_pack(weights, slots)
+    q_out.put({"slots": slots, "flat": flat, "max_group": side.max_group})
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=0, world_size=2, timeout=timedelta(seconds=600))
+    while (cmd := q_in.get()) is not None:
+        mode, pipelined, version = cmd["mode"], cmd["pipelined"], cmd["version"]
+        barrier(dev)
+        t0 = time.perf_counter()
+        if mode == "ipc":
+            for i, g in enumerate(side.groups):
+                s = i % SLOTS
+                if i >= SLOTS:
+                    while flags[1] < i - SLOTS + 1:  # consumer released group i-SLOTS (its slot)
+                        pass
+                side.pack(g, s)
+                sync_dev(dev)
+                flags[0] = i + 1  # ready
+        elif mode == "nccl":
+            works: dict[int, object] = {}  # a work is waited exactly once (gloo hangs on a second wait)
+            for i, g in enumerate(side.groups):
+                s = i % SLOTS
+                if i - SLOTS in works:
+                    works.pop(i - SLOTS).wait()  # slot s free again: its previous send finished
+                side.pack(g, s)
+                works[i] = dist.isend(slots[s][: side.layouts[g].nbytes], dst=1)
+                if not pipelined:
+                    works.pop(i).wait()
+                    sync_dev(dev)
+                    dist.recv(torch.zeros(1, device=dev), src=1)  # consumer done with this group
+            for w in works.values():
+                w.wait()
+        elif mode == "bcast_tensor":
+            for m in metas:
+                dist.broadcast(weights[m.name], src=0)
+        elif mode == "bcast_bucket":
+            bucket = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+            for chunk in buckets(metas, 1 << 30):
+                off = 0
+                for m in chunk:
+                    bucket[off: off + m.nbytes].view(torch.bfloat16).view(m.shape).copy_(weights[m.name])
+                    off += m.nbytes
+                dist.broadcast(bucket[:off], src=0)
+        elif mode == "stage_pack":
+            for i, g in enumerate(side.groups):
+                side.pack(g, i % SLOTS)
+        sync_dev(dev)
+        q_out.put({"producer_s": time.perf_counter() - t0})
+        barrier(dev)
+
+
+def buckets(metas, cap):
+    cur, size = [], 0
+    for m in metas:
+        if cur and size + m.nbytes > cap:
+            yield cur
+            cur, size = [], 0
+        cur.append(m)
+        size += m.nbytes
+    if cur:
+        yield cur
+
+
+def scenario_a_consumer(args, q_in, q_out, flags, ring):
+    dev = torch.device("cuda:1" if args.device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=1, world_size=2, timeout=timedelta(seconds=600))
+    cfg = zoo_config(args)
+    metas = metadata(cfg)
+    plan = record(cfg, metas, 1, 0)
+    side = Side(plan)
+    with torch.device(dev):
+        live = ZooModel(cfg, tp_size=1, tp_rank=0)
+    params = dict(live.named_parameters())
+    recv = [torch.empty(side.max_group, dtype=torch.uint8, device=dev) for _ in range(RECV_SLOTS)]
+    side.prepare_unpack(params, recv)
+    proc = Processor(params)
+    slots, flat = ring["slots"], ring["flat"]
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    results = {"plan_bytes": plan.nbytes, "groups": len(side.groups), "tensors": len(metas)}
+    layer_left: dict[str, int] = {}
+    for m in metas:
+        from shardsync.groups import weight_group
+        layer_left[weight_group(m.name)] = layer_left.get(weight_group(m.name), 0) + 1
+    while (cmd := q_in.get()) is not None:
+        mode, pipelined, process = cmd["mode"], cmd["pipelined"], cmd["process"]
+        barrier(dev)
+        t0 = time.perf_counter()
+        if mode == "ipc":
+            done_ev = [None] * RECV_SLOTS
+            for i, g in enumerate(side.groups):
+                r = i % RECV_SLOTS
+                n = side.layouts[g].nbytes
+                while flags[0] < i + 1:
+                    pass
+                if copy_stream is not None:
+                    with torch.cuda.stream(copy_stream):
+                        if done_ev[r] is not None:
+                            copy_stream.wait_event(done_ev[r])
+                        recv[r][:n].copy_(slots[i % SLOTS][:n], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(copy_stream)
+                    ev.synchronize()
+                    torch.cuda.current_stream(dev).wait_event(ev)
+                else:
+                    recv[r][:n].copy_(slots[i % SLOTS][:n])
+                flags[1] = i + 1  # release the producer's slot: bytes are here
+                side.unpack(g, r)
+                if process:
+                    proc.run(g)
+                if dev.type == "cuda":
+                    done_ev[r] = torch.cuda.Event()
+                    done_ev[r].record()
+                if not pipelined:
+                    sync_dev(dev)
+        elif mode == "nccl":
+            works = {}
+            ahead = RECV_SLOTS if pipelined else 1
+            for i, g in enumerate(side.groups[:ahead]):
+                works[i] = dist.irecv(recv[i % RECV_SLOTS][: side.layouts[g].nbytes], src=0)
+            for i, g in enumerate(side.groups):
+                works.pop(i).wait()
+                side.unpack(g, i % RECV_SLOTS)
+                if process:
+                    proc.run(g)
+                if not pipelined:
+                    sync_dev(dev)
+                    dist.send(torch.zeros(1, device=dev), dst=0)
+                j = i + ahead
+                if j < len(side.groups):
+                    works[j] = dist.irecv(recv[j % RECV_SLOTS][: side.layouts[side.groups[j]].nbytes], src=0)
+        elif mode in ("bcast_tensor", "bcast_bucket"):
+            left = dict(layer_left)
+            from shardsync.groups import weight_group
+            it = ([[m] for m in metas] if mode == "bcast_tensor" else buckets(metas, 1 << 30))
+            bucket = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+            for chunk in it:
+                if mode == "bcast_tensor":
+                    m = chunk[0]
+                    t = torch.empty(m.shape, dtype=torch.bfloat16, device=dev)
+                    dist.broadcast(t, src=0)
+                    tensors = [(m.name, t)]
+                else:
+                    nb = sum(m.nbytes for m in chunk)
+                    dist.broadcast(bucket[:nb], src=0)
+                    tensors, off = [], 0
+                    for m in chunk:
+                        tensors.append((m.name, bucket[off: off + m.nbytes].view(torch.bfloat16).view(m.shape)))
+                        off += m.nbytes
+                live.load_weights(tensors)  # the consumer keeps its share with its ordinary loader
+                for name, _ in tensors:
+                    g = weight_group(name)
+                    left[g] -= 1
+                    if left[g] == 0 and process:
+                        proc.run(g)
+        elif mode == "stage_unpack":
+            for i, g in enumerate(side.groups):
+                side.unpack(g, i % RECV_SLOTS)
+        elif mode == "stage_process":
+            for g in side.groups:
+                proc.run(g)
+        elif mode == "stage_copy":  # raw transfer of the plan's bytes, group by group, over CUDA IPC
+            for i, g in enumerate(side.groups):
+                n = side.layouts[g].nbytes
+                recv[i % RECV_SLOTS][:n].copy_(slots[i % SLOTS][:n], non_blocking=True)
+        elif mode == "sol":  # raw GPU0->GPU1 copy bandwidth, one big buffer
+            n = min(flat.numel() * 2, 4 << 30)
+            src = flat.view(torch.uint8)[:n]
+            dst = torch.empty(n, dtype=torch.uint8, device=dev)
+            dst.copy_(src)
+            sync_dev(dev)
+            ts = time.perf_counter()
+            for _ in range(3):
+                dst.copy_(src, non_blocking=True)
+            sync_dev(dev)
+            results["p2p_gbps"] = 3 * n / (time.perf_counter() - ts) / 1e9
+            del dst
+        sync_dev(dev)
+        q_out.put({"consumer_s": time.perf_counter() - t0, **results})
+        barrier(dev)
+        if cmd.get("check"):
+            q_out.put(check_a(cfg, metas, flat, live, params, proc, dev))
+
+
+def check_a(cfg, metas, flat, live, params, proc, dev) -> dict:
+    """Layer by layer: loaders + process step on the full tensors == what the sync left behind."""
+    views = dict(zip((m.name for m in metas), _views(flat, metas)))
+    one = ZooConfig(**{**cfg.__dict__, "layers": 1})
+    with torch.device(dev):
+        ref = ZooModel(one, tp_size=1, tp_rank=0)
+    bad, compared = [], 0
+    ref_params = dict(ref.named_parameters())
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        ref.load_weights([(n.replace(p, "model.layers.0."), v) for n, v in views.items() if n.startswith(p)])
+        for n, t in ref_params.items():
+            if not n.startswith("model.layers.0."):
+                continue
+            ln = n.replace("model.layers.0.", p)
+            compared += 1
+            if not torch.equal(t.view(-1).view(torch.uint8), params[ln].view(-1).view(torch.uint8)):
+                bad.append(ln)
+            if n.endswith(FP8_SUFFIXES):
+                for lp, q, s, name in proc.group_of(p[:-1]):
+                    if name == ln:
+                        rq, rs = torch.empty_like(q), torch.empty_like(s)
+                        quantize_fp8_blocks(t, rq, rs)
+                        compared += 1
+                        if not (torch.equal(rq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs, s)):
+                            bad.append(ln + " (fp8)")
+    for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        r = torch.empty_like(params[n])
+        r.copy_(views[n])
+        compared += 1
+        if not torch.equal(r.view(-1).view(torch.uint8), params[n].view(-1).view(torch.uint8)):
+            bad.append(n)
+    return {"check_compared": compared, "check_mismatched": bad[:20]}
+
+
+def run_a(args, log) -> dict:
+    ctx = mp.get_context("spawn")
+    flags = torch.zeros(2, dtype=torch.int64).share_memory_()
+    qp_in, qp_out, qc_in, qc_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    prod = ctx.Process(target=scenario_a_producer, args=(args, qp_in, qp_out, flags))
+    prod.start()
+    ring = qp_out.get(timeout=1800)
+    cons = ctx.Process(target=scenario_a_consumer, args=(args, qc_in, qc_out, flags, ring))
+    cons.start()
+    out: dict = {}
+
+    def once(mode, pipelined=True, process=True, check=False):
+        flags.zero_()
+        qp_in.put({"mode": mode, "pipelined": pipelined, "version": 0})
+        qc_in.put({"mode": mode, "pipelined": pipelined, "process": process, "check": check})
+        p, c = qp_out.get(timeout=1800), qc_out.get(timeout=1800)
+        return max(p["producer_s"], c["consumer_s"]), c
+
+    def med(mode, **kw):
+        once(mode, **kw)  # warm-up
+        ts = [once(mode, **kw)[0] for _ in range(args.iters)]
+        log(f"  A {mode:<13} {kw}: median {statistics.median(ts):.4f} s  (all {[round(t, 4) for t in ts]})")
+        return statistics.median(ts)
+
+    _, info = once("sol")
+    out.update(plan_bytes=info["plan_bytes"], tensors=info["tensors"], groups=info["groups"],
+               p2p_gbps=info["p2p_gbps"])
+    out["sol_s"] = info["plan_bytes"] / (info["p2p_gbps"] * 1e9)
+    log(f"A: {info['tensors']} tensors, {info['plan_bytes'] / 1e9:.2f} GB, p2p {info['p2p_gbps']:.1f} GB/s, "
+        f"SoL {out['sol_s']:.4f} s")
+    for st in ("stage_pack", "stage_copy", "stage_unpack", "stage_process"):
+        out[st + "_s"] = med(st)
+    out["ipc_s"] = med("ipc")
+    out["ipc_noproc_s"] = med("ipc", process=False)
+    out["ipc_unpipelined_s"] = med("ipc", pipelined=False)
+    out["nccl_s"] = med("nccl")
+    out["nccl_noproc_s"] = med("nccl", process=False)
+    out["nccl_unpipelined_s"] = med("nccl", pipelined=False)
+    out["bcast_bucket_s"] = med("bcast_bucket")
+    out["bcast_bucket_noproc_s"] = med("bcast_bucket", process=False)
+    out["bcast_tensor_s"] = med("bcast_tensor")
+    _, chk = once("ipc", check=True)
+    out.update(qc_out.get(timeout=1800))
+    qp_in.put(None), qc_in.put(None)
+    prod.join(60), cons.join(60)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--port", type=int, default=29513)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "gpu_sync.log"), "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    log(f"gpu_sync {time.strftime('%Y-%m-%d %H:%M:%S')} device={args.device} "
+        f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}")
+    a = run_a(args, log)
+    sol = a["sol_s"]
+    rows = [("SoL (plan bytes / p2p copy)", sol), ("shardsync IPC, pipelined, +fp8", a["ipc_s"]),
+            ("shardsync IPC, pipelined, no process", a["ipc_noproc_s"]),
+            ("shardsync IPC, not pipelined, +fp8", a["ipc_unpipelined_s"]),
+            ("shardsync NCCL p2p, pipelined, +fp8", a["nccl_s"]),
+            ("shardsync NCCL p2p, pipelined, no process", a["nccl_noproc_s"]),
+            ("shardsync NCCL p2p, not pipelined, +fp8", a["nccl_unpipelined_s"]),
+            ("baseline bucketed 1 GiB bcast, +fp8", a["bcast_bucket_s"]),
+            ("baseline bucketed 1 GiB bcast, no process", a["bcast_bucket_noproc_s"]),
+            ("baseline per-tensor bcast, +fp8", a["bcast_tensor_s"])]
+    best = min(a["ipc_s"], a["nccl_s"])
+    log("\nstage times alone (s): " + ", ".join(f"{k[6:-2]} {a[k]:.4f}" for k in a if k.startswith("stage_")))
+    log(f"{'scenario A':<46}{'seconds':>9}{'SoL/t':>8}{'vs per-tensor':>15}{'vs bucketed':>13}")
+    for name, t in rows:
+        log(f"{name:<46}{t:>9.4f}{sol / t:>8.2f}{a['bcast_tensor_s'] / t:>14.2f}x{a['bcast_bucket_s'] / t:>12.2f}x")
+    summary = {"scenario_a": a, "best_s": best, "sol_ratio": sol / best,
+               "speedup_vs_tensor_bcast": a["bcast_tensor_s"] / best,
+               "speedup_vs_bucket_bcast": a["bcast_bucket_s"] / best,
+               "exact": not a["check_mismatched"] and a["check_compared"] > 0}
+    log(f"correctness: {a['check_compared']} tensors compared, mismatched {a['check_mismatched']}")
+    json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1)
+    log(json.dumps({k: v for k, v in summary.items() if k != "scenario_a"}))
+
+
+if __name__ == "__main__":
+    main()
