@@ -153,7 +153,7 @@ def sync_dev(device):
 
 
 # ----------------------------------------------------------------------------------------------- A
-def scenario_a_producer(args, q_in, q_out, flags):
+def scenario_a_producer(args, q_in, q_out, flags, q_ring):
     dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -169,7 +169,8 @@ def scenario_a_producer(args, q_in, q_out, flags):
             sl.share_memory_()
         weights = {n: v for n, v in zip(weights, _views(flat, metas))}
     side.prepare_pack(weights, slots)
-    q_out.put({"slots": slots, "flat": flat, "max_group": side.max_group})
+    q_ring.put({"slots": slots, "flat": flat})  # straight to the consumer (CUDA IPC handles)
+    q_out.put({"max_group": side.max_group})
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=0, world_size=2, timeout=timedelta(seconds=600))
     while (cmd := q_in.get()) is not None:
@@ -230,10 +231,11 @@ def buckets(metas, cap):
         yield cur
 
 
-def scenario_a_consumer(args, q_in, q_out, flags, ring):
+def scenario_a_consumer(args, q_in, q_out, flags, q_ring):
     dev = torch.device("cuda:1" if args.device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    ring = q_ring.get(timeout=1800)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=1, world_size=2, timeout=timedelta(seconds=600))
     cfg = zoo_config(args)
@@ -388,49 +390,72 @@ def check_a(cfg, metas, flat, live, params, proc, dev) -> dict:
     return {"check_compared": compared, "check_mismatched": bad[:20]}
 
 
+procs: list = []
+
+
+def get(q, timeout_s: float):
+    """Queue get that notices a dead child instead of waiting out the timeout."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=5)
+        except queue.Empty:
+            dead = [p.name for p in procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"benchmark child died or timed out: dead={dead}")
+
+
 def run_a(args, log) -> dict:
     ctx = mp.get_context("spawn")
     flags = torch.zeros(2, dtype=torch.int64).share_memory_()
-    qp_in, qp_out, qc_in, qc_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    prod = ctx.Process(target=scenario_a_producer, args=(args, qp_in, qp_out, flags))
+    qp_in, qp_out, qc_in, qc_out, q_ring = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    prod = ctx.Process(target=scenario_a_producer, args=(args, qp_in, qp_out, flags, q_ring), daemon=True)
     prod.start()
-    ring = qp_out.get(timeout=1800)
-    cons = ctx.Process(target=scenario_a_consumer, args=(args, qc_in, qc_out, flags, ring))
+    cons = ctx.Process(target=scenario_a_consumer, args=(args, qc_in, qc_out, flags, q_ring), daemon=True)
     cons.start()
+    procs.extend([prod, cons])
+    get(qp_out, 900)
     out: dict = {}
 
     def once(mode, pipelined=True, process=True, check=False):
         flags.zero_()
         qp_in.put({"mode": mode, "pipelined": pipelined, "version": 0})
         qc_in.put({"mode": mode, "pipelined": pipelined, "process": process, "check": check})
-        p, c = qp_out.get(timeout=1800), qc_out.get(timeout=1800)
+        p, c = get(qp_out, 600), get(qc_out, 600)
         return max(p["producer_s"], c["consumer_s"]), c
 
     def med(mode, **kw):
+        if time.perf_counter() - t_start > args.budget_s:
+            log(f"  A {mode} {kw}: skipped (time budget)")
+            return float("nan")
         once(mode, **kw)  # warm-up
         ts = [once(mode, **kw)[0] for _ in range(args.iters)]
         log(f"  A {mode:<13} {kw}: median {statistics.median(ts):.4f} s  (all {[round(t, 4) for t in ts]})")
         return statistics.median(ts)
 
+    t_start = time.perf_counter()
     _, info = once("sol")
     out.update(plan_bytes=info["plan_bytes"], tensors=info["tensors"], groups=info["groups"],
                p2p_gbps=info["p2p_gbps"])
     out["sol_s"] = info["plan_bytes"] / (info["p2p_gbps"] * 1e9)
     log(f"A: {info['tensors']} tensors, {info['plan_bytes'] / 1e9:.2f} GB, p2p {info['p2p_gbps']:.1f} GB/s, "
         f"SoL {out['sol_s']:.4f} s")
+    out["ipc_s"] = med("ipc")
+    _, chk = once("ipc", check=True)
+    out.update(get(qc_out, 600))
+    log(f"  correctness: {out['check_compared']} tensors compared, mismatched {out['check_mismatched']}")
+    out["nccl_s"] = med("nccl")
+    out["bcast_bucket_s"] = med("bcast_bucket")
+    out["bcast_tensor_s"] = med("bcast_tensor")
+    out["ipc_noproc_s"] = med("ipc", process=False)
+    out["nccl_noproc_s"] = med("nccl", process=False)
+    out["bcast_bucket_noproc_s"] = med("bcast_bucket", process=False)
+    out["ipc_unpipelined_s"] = med("ipc", pipelined=False)
+    out["nccl_unpipelined_s"] = med("nccl", pipelined=False)
     for st in ("stage_pack", "stage_copy", "stage_unpack", "stage_process"):
         out[st + "_s"] = med(st)
-    out["ipc_s"] = med("ipc")
-    out["ipc_noproc_s"] = med("ipc", process=False)
-    out["ipc_unpipelined_s"] = med("ipc", pipelined=False)
-    out["nccl_s"] = med("nccl")
-    out["nccl_noproc_s"] = med("nccl", process=False)
-    out["nccl_unpipelined_s"] = med("nccl", pipelined=False)
-    out["bcast_bucket_s"] = med("bcast_bucket")
-    out["bcast_bucket_noproc_s"] = med("bcast_bucket", process=False)
-    out["bcast_tensor_s"] = med("bcast_tensor")
-    _, chk = once("ipc", check=True)
-    out.update(qc_out.get(timeout=1800))
     qp_in.put(None), qc_in.put(None)
     prod.join(60), cons.join(60)
     return out
@@ -444,6 +469,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--port", type=int, default=29513)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining modes after this many seconds")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "gpu_sync.log"), "a")
@@ -455,7 +481,12 @@ def main() -> None:
 
     log(f"gpu_sync {time.strftime('%Y-%m-%d %H:%M:%S')} device={args.device} "
         f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}")
-    a = run_a(args, log)
+    try:
+        a = run_a(args, log)
+    finally:  # never leave children holding the GPUs (or the command) hanging
+        for p in procs:
+            if p.is_alive():
+                p.kill()
     sol = a["sol_s"]
     rows = [("SoL (plan bytes / p2p copy)", sol), ("shardsync IPC, pipelined, +fp8", a["ipc_s"]),
             ("shardsync IPC, pipelined, no process", a["ipc_noproc_s"]),
@@ -475,7 +506,6 @@ def main() -> None:
                "speedup_vs_tensor_bcast": a["bcast_tensor_s"] / best,
                "speedup_vs_bucket_bcast": a["bcast_bucket_s"] / best,
                "exact": not a["check_mismatched"] and a["check_compared"] > 0}
-    log(f"correctness: {a['check_compared']} tensors compared, mismatched {a['check_mismatched']}")
     json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1)
     log(json.dumps({k: v for k, v in summary.items() if k != "scenario_a"}))
 
