@@ -55,7 +55,7 @@ def zoo_config(args) -> ZooConfig:
         cfg = ZooConfig(**{**cfg.__dict__, "experts": args.experts})
     if args.device == "cpu":  # logic check: shrink
         cfg = ZooConfig(**{**cfg.__dict__, "vocab": 1024, "hidden": 256, "heads": 4, "kv_heads": 2,
-                           "head_dim": 128, "moe_inter": 128})
+                           "head_dim": 128, "moe_inter": 256})
     return cfg
 
 
@@ -458,6 +458,140 @@ def run_a(args, log) -> dict:
         out[st + "_s"] = med(st)
     qp_in.put(None), qc_in.put(None)
     prod.join(60), cons.join(60)
+    procs.clear()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- B
+def scenario_b_producer(args, q_in, q_out, flags, q_rings):
+    """Trainer on GPU0 serving one TP2 replica whose two consumers share GPU1, over CUDA IPC."""
+    dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = zoo_config(args)
+    metas = metadata(cfg)
+    flat, weights = make_weights(metas, str(dev), seed=1)
+    sides = [Side(record(cfg, metas, 2, r)) for r in range(2)]
+    full = Side(record(cfg, metas, 1, 0))  # the baseline packs whole tensors once, for both consumers
+    base1 = {g: -(-sides[0].layouts[g].nbytes // 256) * 256 for g in sides[0].groups}
+    slot_bytes = max(max(base1[g] + sides[1].layouts[g].nbytes for g in sides[0].groups), full.max_group)
+    slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(SLOTS)]
+    if dev.type == "cpu":
+        flat.share_memory_()
+        for sl in slots:
+            sl.share_memory_()
+        weights = dict(zip((m.name for m in metas), _views(flat, metas)))
+    sides[0].prepare_pack(weights, slots)
+    sides[1].prepare_pack(weights, slots, base=base1)
+    full.prepare_pack(weights, slots)
+    for q in q_rings:
+        q.put({"slots": slots, "base1": base1})
+    q_out.put({"ok": 1})
+    while (cmd := q_in.get()) is not None:
+        t0 = time.perf_counter()
+        groups = sides[0].groups
+        for i, g in enumerate(groups):
+            if i >= SLOTS:
+                while min(int(flags[1]), int(flags[2])) < i - SLOTS + 1:  # both consumers released the slot
+                    pass
+            if cmd["mode"] == "full":
+                full.pack(g, i % SLOTS)
+            else:
+                sides[0].pack(g, i % SLOTS)
+                sides[1].pack(g, i % SLOTS)
+            sync_dev(dev)
+            flags[0] = i + 1
+        q_out.put({"producer_s": time.perf_counter() - t0})
+
+
+def scenario_b_consumer(args, rank, q_in, q_out, flags, q_ring):
+    dev = torch.device("cuda:1" if args.device == "cuda" else "cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    ring = q_ring.get(timeout=1800)
+    slots, base1 = ring["slots"], ring["base1"]
+    cfg = zoo_config(args)
+    metas = metadata(cfg)
+    side, full = Side(record(cfg, metas, 2, rank)), Side(record(cfg, metas, 1, 0))
+    with torch.device(dev):
+        live = ZooModel(cfg, tp_size=2, tp_rank=rank)
+    params = dict(live.named_parameters())
+    size = max(side.max_group, full.max_group)
+    recv = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(RECV_SLOTS)]
+    side.prepare_unpack(params, recv)
+    proc = Processor(params)
+    full_views = {g.name: [[(s.src, _packed_view(r, full.layouts[g.name].offsets[i], s)) for i, s in
+                            enumerate(g.scatters)] for r in recv] for g in full.plan.groups}
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    q_out.put({"plan_bytes": side.plan.nbytes, "full_bytes": full.plan.nbytes})
+    while (cmd := q_in.get()) is not None:
+        t0 = time.perf_counter()
+        is_full = cmd["mode"] == "full"
+        done_ev = [None] * RECV_SLOTS
+        for i, g in enumerate(side.groups):
+            r = i % RECV_SLOTS
+            off = 0 if (is_full or rank == 0) else base1[g]
+            n = (full if is_full else side).layouts[g].nbytes
+            while int(flags[0]) < i + 1:
+                pass
+            src = slots[i % SLOTS][off: off + n]
+            if copy_stream is not None:
+                with torch.cuda.stream(copy_stream):
+                    if done_ev[r] is not None:
+                        copy_stream.wait_event(done_ev[r])
+                    recv[r][:n].copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(copy_stream)
+                ev.synchronize()
+                torch.cuda.current_stream(dev).wait_event(ev)
+            else:
+                recv[r][:n].copy_(src)
+            flags[1 + rank] = i + 1
+            if is_full:  # a broadcast delivers everything: the loader keeps this rank's share
+                live.load_weights(full_views[g][r])
+            else:
+                side.unpack(g, r)
+            proc.run(g)
+            if dev.type == "cuda":
+                done_ev[r] = torch.cuda.Event()
+                done_ev[r].record()
+        sync_dev(dev)
+        q_out.put({"consumer_s": time.perf_counter() - t0})
+
+
+def run_b(args, log) -> dict:
+    ctx = mp.get_context("spawn")
+    flags = torch.zeros(3, dtype=torch.int64).share_memory_()
+    qp_in, qp_out = ctx.Queue(), ctx.Queue()
+    qc = [(ctx.Queue(), ctx.Queue(), ctx.Queue()) for _ in range(2)]
+    prod = ctx.Process(target=scenario_b_producer, args=(args, qp_in, qp_out, flags, [q[2] for q in qc]), daemon=True)
+    prod.start()
+    cons = [ctx.Process(target=scenario_b_consumer, args=(args, r, qc[r][0], qc[r][1], flags, qc[r][2]), daemon=True)
+            for r in range(2)]
+    for c in cons:
+        c.start()
+    procs.extend([prod, *cons])
+    get(qp_out, 900)
+    info = [get(q[1], 900) for q in qc]
+    out = {"plan_bytes_per_consumer": [i["plan_bytes"] for i in info], "full_bytes": info[0]["full_bytes"]}
+
+    def once(mode):
+        flags.zero_()
+        qp_in.put({"mode": mode})
+        for q in qc:
+            q[0].put({"mode": mode})
+        return max([get(qp_out, 600)["producer_s"]] + [get(q[1], 600)["consumer_s"] for q in qc])
+
+    for mode in ("shardsync", "full"):
+        once(mode)
+        ts = [once(mode) for _ in range(args.iters)]
+        out[mode + "_s"] = statistics.median(ts)
+        log(f"  B {mode:<10}: median {out[mode + '_s']:.4f} s  (all {[round(t, 4) for t in ts]})")
+    qp_in.put(None)
+    for q in qc:
+        q[0].put(None)
+    for p in (prod, *cons):
+        p.join(30)
     return out
 
 
@@ -469,6 +603,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--port", type=int, default=29513)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--scenarios", default="AB")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining modes after this many seconds")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -482,11 +617,31 @@ def main() -> None:
     log(f"gpu_sync {time.strftime('%Y-%m-%d %H:%M:%S')} device={args.device} "
         f"{torch.cuda.get_device_name(0) if args.device == 'cuda' else 'cpu'}")
     try:
-        a = run_a(args, log)
+        a = run_a(args, log) if "A" in args.scenarios else None
+        b = run_b(args, log) if "B" in args.scenarios else None
     finally:  # never leave children holding the GPUs (or the command) hanging
         for p in procs:
             if p.is_alive():
                 p.kill()
+    summary: dict = {}
+    if a is not None:
+        summary.update(report_a(a, log))
+    if b is not None:
+        p2p = a["p2p_gbps"] if a else float("nan")
+        b["sol_s"] = sum(b["plan_bytes_per_consumer"]) / (p2p * 1e9)
+        b["speedup_vs_full_pull"] = b["full_s"] / b["shardsync_s"]
+        log(f"\n{'scenario B (TP2 on GPU1, CUDA IPC, +fp8)':<46}{'seconds':>9}{'SoL/t':>8}{'vs full pull':>14}")
+        log(f"{'SoL (both consumers bytes / p2p copy)':<46}{b['sol_s']:>9.4f}{1:>8.2f}")
+        log(f"{'shardsync (each pulls only its slices)':<46}{b['shardsync_s']:>9.4f}{b['sol_s'] / b['shardsync_s']:>8.2f}"
+            f"{b['speedup_vs_full_pull']:>13.2f}x")
+        log(f"{'baseline: each pulls every full tensor':<46}{b['full_s']:>9.4f}{b['sol_s'] / b['full_s']:>8.2f}{1:>13.2f}x")
+        summary["scenario_b"] = b
+        summary["speedup_vs_full_pull_b"] = b["speedup_vs_full_pull"]
+    json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1)
+    log(json.dumps({k: v for k, v in summary.items() if not k.startswith("scenario_")}))
+
+
+def report_a(a: dict, log) -> dict:
     sol = a["sol_s"]
     rows = [("SoL (plan bytes / p2p copy)", sol), ("shardsync IPC, pipelined, +fp8", a["ipc_s"]),
             ("shardsync IPC, pipelined, no process", a["ipc_noproc_s"]),
@@ -506,8 +661,7 @@ def main() -> None:
                "speedup_vs_tensor_bcast": a["bcast_tensor_s"] / best,
                "speedup_vs_bucket_bcast": a["bcast_bucket_s"] / best,
                "exact": not a["check_mismatched"] and a["check_compared"] > 0}
-    json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1)
-    log(json.dumps({k: v for k, v in summary.items() if k != "scenario_a"}))
+    return summary
 
 
 if __name__ == "__main__":
