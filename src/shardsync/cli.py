@@ -1,7 +1,9 @@
-"""Command line: ``shardsync demo | verify | bench``.
+"""Command line: ``shardsync demo | verify | bench | simulate``.
 
     shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
     shardsync verify MODEL_DIR --tp 2    # will my model work? real vLLM, bit-exact check
+    shardsync bench                      # shardsync vs broadcast baseline vs link SoL, this machine
+    shardsync simulate --preset kimi-k2-48n   # cluster-scale SoL and predicted sync time
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     b.add_argument("--syncs", type=int, default=3)
     b.add_argument("--json", action="store_true")
+    sm = sub.add_parser("simulate", help="the real planner/router at cluster scale on meta tensors: SoL and predicted time")
+    sm.add_argument("--preset", choices=["kimi-k2-48n", "qwen3-235b-4n"])
+    sm.add_argument("--config", help="HF config.json of the model")
+    sm.add_argument("--trainer", help="trainer layout, e.g. tp8,pp8,ep32,etp1")
+    sm.add_argument("--inference", help="inference layout, e.g. tp32,ep32 (or dp16,ep16)")
+    sm.add_argument("--replicas", type=int, default=None)
+    sm.add_argument("--trainer-nodes", type=int, default=None)
+    sm.add_argument("--gpus-per-node", type=int, default=8)
+    sm.add_argument("--nic-gbps", type=float, default=400, help="NIC per GPU, Gbit/s")
+    sm.add_argument("--nvlink-gbps", type=float, default=450, help="NVLink per GPU per direction, GB/s")
+    sm.add_argument("--record", choices=["full", "template"], default="full",
+                    help="full: record every consumer's plan; template: record distinct plan shapes once")
+    sm.add_argument("--colocate", action="store_true", help="consumers on the trainer nodes")
+    sm.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         if args.consumers == "zoo":
@@ -55,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
                       transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
+    if args.cmd == "simulate":
+        from .sim import run_simulate
+
+        try:
+            run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,
+                         replicas=args.replicas, trainer_nodes=args.trainer_nodes, gpus_per_node=args.gpus_per_node,
+                         nic_gbps=args.nic_gbps, nvlink_gbps=args.nvlink_gbps, as_json=args.json,
+                         record=args.record, colocate=args.colocate)
+        except ValueError as e:
+            print(f"shardsync simulate: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.cmd == "verify":
         from .integrations.vllm.verify import run_verify
 

@@ -39,23 +39,24 @@ ApplyFn = Callable[[str, torch.Tensor], None]
 class Consumer:
     def __init__(self, consumer_id: str, coordinator: list[Any], *, token: str, record: RecordFn, apply: ApplyFn,
                  transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
-                 timeout_s: float = 120.0, recv_slots: int = 2):
+                 timeout_s: float = 120.0, recv_slots: int = 2, init_timeout_s: float = 600.0):
         self.id, self.coordinator, self.token = consumer_id, coordinator, token
         self.record, self.apply = record, apply
         self.transport = transport if not isinstance(transport, str) else \
             make_transport(transport, **(transport_kwargs or {}))
-        self.timeout_s, self.recv_slots = timeout_s, recv_slots
+        self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.stats: dict[str, Any] = {}
 
     def init(self) -> Plan:
         t0 = time.perf_counter()
         coord = m.ControlClient(self.coordinator, self.token, peer="coordinator (producer 0)")
-        meta = coord.call(m.Hello(consumer=self.id), timeout_s=self.timeout_s)
+        meta = coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5)
         assert isinstance(meta, m.TransferMeta)
         metas = [ParamMeta.from_dict(d) for d in meta.metadata]
         self.metas = metas
         self.plan = self.record(metas)
-        routes = coord.call(m.RegisterPlan(consumer=self.id, plan=self.plan.to_json()), timeout_s=self.timeout_s)
+        routes = coord.call(m.RegisterPlan(consumer=self.id, plan=self.plan.to_json()),
+                            timeout_s=self.init_timeout_s + 5)
         assert isinstance(routes, m.Routes)
         coord.close()
         holders = holders_from_ownership(meta.held, [x.name for x in metas])

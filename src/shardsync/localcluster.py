@@ -224,9 +224,10 @@ class LocalCluster:
 
     def _expect(self, kind: str, keys: set) -> list[Any]:
         got: dict[Any, Any] = {}
+        wait = 600.0 if kind in ("address", "ready") else self.timeout_s * 3 + 60
         while keys - got.keys():
             try:
-                k, who, payload = self.out.get(timeout=self.timeout_s * 2)
+                k, who, payload = self.out.get(timeout=wait)
             except Exception:
                 raise TimeoutError(f"local cluster: no {kind!r} from {sorted(map(str, keys - got.keys()))}") from None
             if k == "error":

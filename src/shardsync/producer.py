@@ -55,6 +55,9 @@ class ProducerConfig:
     lookahead: int = 1
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     timeout_s: float = 120.0
+    """Bound on every wait during a sync (a dead consumer surfaces within it)."""
+    init_timeout_s: float = 600.0
+    """Bound on init waits (peers start engines, record and validate plans: slower than a sync)."""
 
 
 @dataclass
@@ -72,7 +75,7 @@ class Producer:
         self.metas = source.metadata()
         self.transport = transport or make_transport(cfg.transport, **cfg.transport_kwargs)
         self.coordinator = Coordinator(metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
-                                       max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s) \
+                                       max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.init_timeout_s) \
             if cfg.rank == 0 else None
         self.server = m.ControlServer(cfg.host, cfg.port, cfg.token, self._handle)
         self.address = self.server.address
@@ -128,8 +131,8 @@ class Producer:
         held = self.source.held_names()
         self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)")
         self.client.call(m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
-                                meta_digest=metadata_digest(self.metas)), timeout_s=cfg.timeout_s)
-        asg = self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.timeout_s)
+                                meta_digest=metadata_digest(self.metas)), timeout_s=cfg.init_timeout_s)
+        asg = self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5)
         assert isinstance(asg, m.Assignments)
         self.plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
         self.consumer_plan = {c: d for d, cs in asg.consumers.items() for c in cs}
@@ -151,7 +154,7 @@ class Producer:
         self.n_slots = cfg.lookahead + 1
         self.ring = torch.zeros(self.n_slots * self.slot_bytes, dtype=torch.uint8)
         desc = self.transport.register(self.ring)
-        self.client.call(m.ProducerReady(rank=cfg.rank, desc=desc), timeout_s=cfg.timeout_s)
+        self.client.call(m.ProducerReady(rank=cfg.rank, desc=desc), timeout_s=cfg.init_timeout_s)
         self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
                       "ring_bytes": self.ring.numel()}
 

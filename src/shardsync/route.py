@@ -5,8 +5,10 @@ Rules:
    where the holder set changes: see ``chunk_layouts``).
 2. Consumers with the same plan (the same TP/EP rank of different replicas) get the same routes, so a
    producer packs each chunk once and every replica pulls that one copy.
-3. Load balance: units (plan, group, holder set) are assigned largest first to the least-loaded
-   holder, loads counted in bytes sent (bytes × consumers sharing the plan).
+3. Load balance: units (plan, group, holder set) are assigned largest first to the holder least
+   loaded *within that group* (groups move roughly in lockstep, so a group takes as long as its
+   busiest producer), ties broken by the whole-sync load; bytes counted as sent (bytes × consumers
+   sharing the plan).
 4. A needed source with no holder fails with MetadataMismatch naming it.
 
     routes = route_plans(plans_by_digest, holders, n_consumers_by_digest)
@@ -65,9 +67,11 @@ def route_plans(plans: Mapping[str, Plan], holders: Mapping[str, Sequence[int]],
             for hs, idx in by_set.items():
                 units.append((nbytes[hs] * consumers_per_plan.get(digest, 1), digest, g.name, hs, idx))
     load: dict[int, int] = defaultdict(int)
+    group_load: dict[tuple[str, int], int] = defaultdict(int)
     for nb, digest, gname, hs, idx in sorted(units, key=lambda u: (-u[0], u[1], u[2], u[3])):
-        p = min(hs, key=lambda q: (load[q], q))
+        p = min(hs, key=lambda q: (group_load[(gname, q)], load[q], q))
         load[p] += nb
+        group_load[(gname, p)] += nb
         for i in idx:
             routes[digest][gname][i] = p
     return routes, dict(load)
