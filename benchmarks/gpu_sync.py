@@ -143,6 +143,35 @@ class Processor:
             quantize_fp8_blocks(p, q, s)
 
 
+def make_ring(nbytes: int, dev) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """SLOTS equal slots carved from one allocation (one NIXL registration covers them all)."""
+    nbytes = -(-nbytes // 256) * 256
+    ring = torch.empty(SLOTS * nbytes, dtype=torch.uint8, device=dev)
+    return ring, [ring[i * nbytes:(i + 1) * nbytes] for i in range(SLOTS)]
+
+
+def nixl_producer(ring: torch.Tensor, args) -> dict | None:
+    if not args.nixl:
+        return None
+    from shardsync.transport.nixl import NixlTransport
+
+    t = NixlTransport(name="producer")
+    nixl_producer.keep = t  # the agent must outlive this call
+    return {"desc": t.register(ring), "slot_bytes": ring.numel() // SLOTS}
+
+
+def nixl_consumer(info: dict | None, recv: list[torch.Tensor], name: str):
+    if not info:
+        return None
+    from shardsync.transport.nixl import NixlTransport
+
+    t = NixlTransport(name=name)
+    t.connect(0, info["desc"])
+    for r in recv:  # register the receive slots once (the first read of each does it)
+        t.read(0, 0, min(r.numel(), info["slot_bytes"]), r, timeout_s=60)
+    return t
+
+
 def barrier(dev) -> None:
     dist.barrier(device_ids=[dev.index]) if dev.type == "cuda" else dist.barrier()
 
@@ -162,14 +191,14 @@ def scenario_a_producer(args, q_in, q_out, flags, q_ring):
     flat, weights = make_weights(metas, str(dev), seed=1)
     plan = record(cfg, metas, 1, 0)
     side = Side(plan)
-    slots = [torch.empty(side.max_group, dtype=torch.uint8, device=dev) for _ in range(SLOTS)]
+    ring, slots = make_ring(side.max_group, dev)
     if dev.type == "cpu":
         flat.share_memory_()
         for sl in slots:
             sl.share_memory_()
         weights = {n: v for n, v in zip(weights, _views(flat, metas))}
     side.prepare_pack(weights, slots)
-    q_ring.put({"slots": slots, "flat": flat})  # straight to the consumer (CUDA IPC handles)
+    q_ring.put({"slots": slots, "flat": flat, "nixl": nixl_producer(ring, args)})  # straight to the consumer
     q_out.put({"max_group": side.max_group})
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=0, world_size=2, timeout=timedelta(seconds=600))
@@ -177,7 +206,7 @@ def scenario_a_producer(args, q_in, q_out, flags, q_ring):
         mode, pipelined, version = cmd["mode"], cmd["pipelined"], cmd["version"]
         barrier(dev)
         t0 = time.perf_counter()
-        if mode == "ipc":
+        if mode in ("ipc", "nixl"):
             for i, g in enumerate(side.groups):
                 s = i % SLOTS
                 if i >= SLOTS:
@@ -249,6 +278,7 @@ def scenario_a_consumer(args, q_in, q_out, flags, q_ring):
     side.prepare_unpack(params, recv)
     proc = Processor(params)
     slots, flat = ring["slots"], ring["flat"]
+    nx = nixl_consumer(ring.get("nixl"), recv, "consumer")
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     results = {"plan_bytes": plan.nbytes, "groups": len(side.groups), "tensors": len(metas)}
     layer_left: dict[str, int] = {}
@@ -259,14 +289,18 @@ def scenario_a_consumer(args, q_in, q_out, flags, q_ring):
         mode, pipelined, process = cmd["mode"], cmd["pipelined"], cmd["process"]
         barrier(dev)
         t0 = time.perf_counter()
-        if mode == "ipc":
+        if mode in ("ipc", "nixl"):
             done_ev = [None] * RECV_SLOTS
             for i, g in enumerate(side.groups):
                 r = i % RECV_SLOTS
                 n = side.layouts[g].nbytes
                 while flags[0] < i + 1:
                     pass
-                if copy_stream is not None:
+                if mode == "nixl":  # one-sided READ of the producer's slot (UCX cuda_ipc within a node)
+                    if done_ev[r] is not None:
+                        done_ev[r].synchronize()
+                    nx.read(0, (i % SLOTS) * ring["nixl"]["slot_bytes"], n, recv[r], timeout_s=60)
+                elif copy_stream is not None:
                     with torch.cuda.stream(copy_stream):
                         if done_ev[r] is not None:
                             copy_stream.wait_event(done_ev[r])
@@ -447,6 +481,8 @@ def run_a(args, log) -> dict:
     out.update(get(qc_out, 600))
     log(f"  correctness: {out['check_compared']} tensors compared, mismatched {out['check_mismatched']}")
     out["nccl_s"] = med("nccl")
+    if args.nixl:
+        out["nixl_s"] = med("nixl")
     out["bcast_bucket_s"] = med("bcast_bucket")
     out["bcast_tensor_s"] = med("bcast_tensor")
     out["ipc_noproc_s"] = med("ipc", process=False)
@@ -475,7 +511,7 @@ def scenario_b_producer(args, q_in, q_out, flags, q_rings):
     full = Side(record(cfg, metas, 1, 0))  # the baseline packs whole tensors once, for both consumers
     base1 = {g: -(-sides[0].layouts[g].nbytes // 256) * 256 for g in sides[0].groups}
     slot_bytes = max(max(base1[g] + sides[1].layouts[g].nbytes for g in sides[0].groups), full.max_group)
-    slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(SLOTS)]
+    ring, slots = make_ring(slot_bytes, dev)
     if dev.type == "cpu":
         flat.share_memory_()
         for sl in slots:
@@ -484,8 +520,9 @@ def scenario_b_producer(args, q_in, q_out, flags, q_rings):
     sides[0].prepare_pack(weights, slots)
     sides[1].prepare_pack(weights, slots, base=base1)
     full.prepare_pack(weights, slots)
+    nx = nixl_producer(ring, args)
     for q in q_rings:
-        q.put({"slots": slots, "base1": base1})
+        q.put({"slots": slots, "base1": base1, "nixl": nx})
     q_out.put({"ok": 1})
     while (cmd := q_in.get()) is not None:
         t0 = time.perf_counter()
@@ -494,7 +531,7 @@ def scenario_b_producer(args, q_in, q_out, flags, q_rings):
             if i >= SLOTS:
                 while min(int(flags[1]), int(flags[2])) < i - SLOTS + 1:  # both consumers released the slot
                     pass
-            if cmd["mode"] == "full":
+            if cmd["mode"].startswith("full"):
                 full.pack(g, i % SLOTS)
             else:
                 sides[0].pack(g, i % SLOTS)
@@ -523,10 +560,12 @@ def scenario_b_consumer(args, rank, q_in, q_out, flags, q_ring):
     full_views = {g.name: [[(s.src, _packed_view(r, full.layouts[g.name].offsets[i], s)) for i, s in
                             enumerate(g.scatters)] for r in recv] for g in full.plan.groups}
     copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    nx = nixl_consumer(ring.get("nixl"), recv, f"consumer{rank}")
     q_out.put({"plan_bytes": side.plan.nbytes, "full_bytes": full.plan.nbytes})
     while (cmd := q_in.get()) is not None:
         t0 = time.perf_counter()
-        is_full = cmd["mode"] == "full"
+        is_full = cmd["mode"].startswith("full")
+        via_nixl = cmd["mode"].endswith("nixl")
         done_ev = [None] * RECV_SLOTS
         for i, g in enumerate(side.groups):
             r = i % RECV_SLOTS
@@ -535,7 +574,11 @@ def scenario_b_consumer(args, rank, q_in, q_out, flags, q_ring):
             while int(flags[0]) < i + 1:
                 pass
             src = slots[i % SLOTS][off: off + n]
-            if copy_stream is not None:
+            if via_nixl:
+                if done_ev[r] is not None:
+                    done_ev[r].synchronize()
+                nx.read(0, (i % SLOTS) * ring["nixl"]["slot_bytes"] + off, n, recv[r], timeout_s=60)
+            elif copy_stream is not None:
                 with torch.cuda.stream(copy_stream):
                     if done_ev[r] is not None:
                         copy_stream.wait_event(done_ev[r])
@@ -582,7 +625,7 @@ def run_b(args, log) -> dict:
             q[0].put({"mode": mode})
         return max([get(qp_out, 600)["producer_s"]] + [get(q[1], 600)["consumer_s"] for q in qc])
 
-    for mode in ("shardsync", "full"):
+    for mode in ("shardsync", "full") + (("shardsync_nixl", "full_nixl") if args.nixl else ()):
         once(mode)
         ts = [once(mode) for _ in range(args.iters)]
         out[mode + "_s"] = statistics.median(ts)
@@ -604,6 +647,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29513)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--scenarios", default="AB")
+    ap.add_argument("--nixl", action="store_true", help="also NIXL READ (needs nixl + nixl-cu13 installed)")
     ap.add_argument("--budget-s", type=float, default=400.0, help="skip remaining modes after this many seconds")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -635,6 +679,12 @@ def main() -> None:
         log(f"{'shardsync (each pulls only its slices)':<46}{b['shardsync_s']:>9.4f}{b['sol_s'] / b['shardsync_s']:>8.2f}"
             f"{b['speedup_vs_full_pull']:>13.2f}x")
         log(f"{'baseline: each pulls every full tensor':<46}{b['full_s']:>9.4f}{b['sol_s'] / b['full_s']:>8.2f}{1:>13.2f}x")
+        if "shardsync_nixl_s" in b:
+            b["speedup_vs_full_pull_nixl"] = b["full_nixl_s"] / b["shardsync_nixl_s"]
+            log(f"{'shardsync over NIXL READ':<46}{b['shardsync_nixl_s']:>9.4f}{b['sol_s'] / b['shardsync_nixl_s']:>8.2f}"
+                f"{b['speedup_vs_full_pull_nixl']:>13.2f}x")
+            log(f"{'baseline over NIXL READ (full pull)':<46}{b['full_nixl_s']:>9.4f}{b['sol_s'] / b['full_nixl_s']:>8.2f}"
+                f"{1:>13.2f}x")
         summary["scenario_b"] = b
         summary["speedup_vs_full_pull_b"] = b["speedup_vs_full_pull"]
     json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1)
@@ -649,6 +699,7 @@ def report_a(a: dict, log) -> dict:
             ("shardsync NCCL p2p, pipelined, +fp8", a["nccl_s"]),
             ("shardsync NCCL p2p, pipelined, no process", a["nccl_noproc_s"]),
             ("shardsync NCCL p2p, not pipelined, +fp8", a["nccl_unpipelined_s"]),
+            *([("shardsync NIXL READ, pipelined, +fp8", a["nixl_s"])] if "nixl_s" in a else []),
             ("baseline bucketed 1 GiB bcast, +fp8", a["bcast_bucket_s"]),
             ("baseline bucketed 1 GiB bcast, no process", a["bcast_bucket_noproc_s"]),
             ("baseline per-tensor bcast, +fp8", a["bcast_tensor_s"])]
