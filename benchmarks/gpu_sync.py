@@ -182,13 +182,18 @@ def sync_dev(device):
 
 
 # ----------------------------------------------------------------------------------------------- A
-def scenario_a_producer(args, q_in, q_out, flags, q_ring):
+def trainer_setup(args):
+    """The trainer on GPU0: device, config, metadata and the full random weights."""
     dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     cfg = zoo_config(args)
     metas = metadata(cfg)
-    flat, weights = make_weights(metas, str(dev), seed=1)
+    return (dev, cfg, metas, *make_weights(metas, str(dev), seed=1))
+
+
+def scenario_a_producer(args, q_in, q_out, flags, q_ring):
+    dev, cfg, metas, flat, weights = trainer_setup(args)
     plan = record(cfg, metas, 1, 0)
     side = Side(plan)
     ring, slots = make_ring(side.max_group, dev)
@@ -501,12 +506,7 @@ def run_a(args, log) -> dict:
 # ----------------------------------------------------------------------------------------------- B
 def scenario_b_producer(args, q_in, q_out, flags, q_rings):
     """Trainer on GPU0 serving one TP2 replica whose two consumers share GPU1, over CUDA IPC."""
-    dev = torch.device("cuda:0" if args.device == "cuda" else "cpu")
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    cfg = zoo_config(args)
-    metas = metadata(cfg)
-    flat, weights = make_weights(metas, str(dev), seed=1)
+    dev, cfg, metas, flat, weights = trainer_setup(args)
     sides = [Side(record(cfg, metas, 2, r)) for r in range(2)]
     full = Side(record(cfg, metas, 1, 0))  # the baseline packs whole tensors once, for both consumers
     base1 = {g: -(-sides[0].layouts[g].nbytes // 256) * 256 for g in sides[0].groups}

@@ -46,7 +46,7 @@ from torch import nn
 from .groups import group_order, weight_group
 from .record import record_plan
 from .types import GroupPlan, ParamMeta, Plan, metadata_digest
-from .zoo import ZooConfig, ZooModel
+from .zoo import ZooConfig, ZooModel, hf_shapes
 from .zoo.mla import MLAConfig, MLAModel, mla_metadata
 
 __all__ = ["ConsumerKey", "ModelSpec", "Topology", "load_config", "model_spec", "expert_of", "record_plans",
@@ -82,42 +82,7 @@ def expert_of(name: str) -> int | None:
 
 def zoo_metadata(cfg: ZooConfig) -> list[ParamMeta]:
     """Checkpoint metadata of a zoo model (names and order of :func:`shardsync.zoo.hf_state_dict`), no data."""
-    if cfg.fused_qkv or cfg.fused_gate_up or cfg.moe_layout == "fused_t":
-        raise ValueError("zoo_metadata covers the separate q/k/v, gate/up and per-expert layouts")
-    out: list[ParamMeta] = []
-
-    def add(name: str, *shape: int) -> None:
-        out.append(ParamMeta(name=name, dtype=cfg.ckpt_dtype, shape=tuple(shape)))
-
-    H, hd, E, I = cfg.hidden, cfg.head_dim, cfg.experts, cfg.moe_inter
-    add("model.embed_tokens.weight", cfg.vocab, H)
-    for i in range(cfg.layers):
-        p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", H)
-        add(p + "self_attn.q_proj.weight", cfg.heads * hd, H)
-        add(p + "self_attn.k_proj.weight", cfg.kv_heads * hd, H)
-        add(p + "self_attn.v_proj.weight", cfg.kv_heads * hd, H)
-        add(p + "self_attn.o_proj.weight", H, cfg.heads * hd)
-        if cfg.qk_norm:
-            add(p + "self_attn.q_norm.weight", hd)
-            add(p + "self_attn.k_norm.weight", hd)
-        add(p + "post_attention_layernorm.weight", H)
-        if not E:
-            add(p + "mlp.gate_proj.weight", cfg.inter, H)
-            add(p + "mlp.up_proj.weight", cfg.inter, H)
-            add(p + "mlp.down_proj.weight", H, cfg.inter)
-            continue
-        moe, (g, u, d) = ("block_sparse_moe", ("w1", "w3", "w2")) if cfg.moe_layout == "mixtral" else \
-            ("mlp", ("gate_proj", "up_proj", "down_proj"))
-        add(p + f"{moe}.gate.weight", E, H)
-        for e in range(E):
-            add(p + f"{moe}.experts.{e}.{g}.weight", I, H)
-            add(p + f"{moe}.experts.{e}.{u}.weight", I, H)
-            add(p + f"{moe}.experts.{e}.{d}.weight", H, I)
-    add("model.norm.weight", H)
-    if not cfg.tie:
-        add("lm_head.weight", cfg.vocab, H)
-    return out
+    return [ParamMeta(name=n, dtype=cfg.ckpt_dtype, shape=s) for n, s in hf_shapes(cfg).items()]
 
 
 @dataclass(frozen=True)
