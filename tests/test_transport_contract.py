@@ -127,3 +127,37 @@ def test_loopback_contract() -> None:
 def test_unknown_transport_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="known: .*tcp"):
         make_transport("carrier-pigeon")
+
+
+def _gpu_producer(out, stop) -> None:
+    t = make_transport("cuda_ipc")
+    buf = pattern().to("cuda:0")
+    out.put(t.register(buf))
+    try:
+        stop.get(timeout=120)
+    except Exception:
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_cuda_ipc_contract() -> None:
+    """Same-node GPU handles: exact ranges read from GPU0 (another process) into GPU1, typed range errors.
+    (A dead producer is detected by the control plane: a mapped allocation gives no signal.)"""
+    desc_q, stop = CTX.Queue(), CTX.Queue()
+    prod = CTX.Process(target=_gpu_producer, args=(desc_q, stop), daemon=True)
+    prod.start()
+    try:
+        t = make_transport("cuda_ipc")
+        t.connect(0, desc_q.get(timeout=120))
+        ref = pattern()
+        for off, n in RANGES:
+            into = torch.zeros(n + 3, dtype=torch.uint8, device="cuda:1")
+            t.read(0, off, n, into, timeout_s=10)
+            assert torch.equal(into[:n].cpu(), ref[off: off + n]) and not into[n:].any()
+        with pytest.raises(TransportError, match="outside producer 0"):
+            t.read(0, N - 10, 11, torch.zeros(11, dtype=torch.uint8, device="cuda:1"), timeout_s=5)
+        t.close()
+    finally:
+        stop.put(None)
+        prod.join(10)

@@ -64,6 +64,7 @@ TRANSPORTS = {
     "tcp": ("shardsync.transport.tcp", "TcpTransport"),
     "torch": ("shardsync.transport.torchdist", "TorchDistTransport"),
     "nixl": ("shardsync.transport.nixl", "NixlTransport"),
+    "cuda_ipc": ("shardsync.transport.cuda_ipc", "CudaIpcTransport"),
 }
 
 
