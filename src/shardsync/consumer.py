@@ -33,6 +33,12 @@ from .transport import Transport, make_transport
 from .types import ParamMeta, Plan
 
 RecordFn = Callable[[Sequence[ParamMeta]], Plan]
+
+
+def _expect(reply: Any, cls: type, peer: str) -> Any:
+    if not isinstance(reply, cls):
+        raise TransportError(f"{peer} answered {type(reply).__name__}, expected {cls.__name__}")
+    return reply
 ApplyFn = Callable[[str, torch.Tensor], None]
 
 
@@ -46,18 +52,18 @@ class Consumer:
             make_transport(transport, **(transport_kwargs or {}))
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.stats: dict[str, Any] = {}
+        self._apply_thread: threading.Thread | None = None
 
     def init(self) -> Plan:
         t0 = time.perf_counter()
         coord = m.ControlClient(self.coordinator, self.token, peer="coordinator (producer 0)")
-        meta = coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5)
-        assert isinstance(meta, m.TransferMeta)
+        meta = _expect(coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5), m.TransferMeta,
+                       "coordinator (producer 0)")
         metas = [ParamMeta.from_dict(d) for d in meta.metadata]
         self.metas = metas
         self.plan = self.record(metas)
-        routes = coord.call(m.RegisterPlan(consumer=self.id, plan=self.plan.to_json()),
-                            timeout_s=self.init_timeout_s + 5)
-        assert isinstance(routes, m.Routes)
+        routes = _expect(coord.call(m.RegisterPlan(consumer=self.id, plan=self.plan.to_json()),
+                                    timeout_s=self.init_timeout_s + 5), m.Routes, "coordinator (producer 0)")
         coord.close()
         holders = holders_from_ownership(meta.held, [x.name for x in metas])
         self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders, max_chunk_bytes=meta.max_chunk_bytes)
@@ -76,6 +82,9 @@ class Consumer:
         return self.plan
 
     def sync(self, version: int) -> dict[str, Any]:
+        if self._apply_thread is not None and self._apply_thread.is_alive():
+            raise SyncError(f"consumer {self.id}: the previous sync's apply thread is still running; this consumer "
+                            "must be re-initialised before it syncs again")
         t0 = time.perf_counter()
         free: queue.Queue[int] = queue.Queue()
         for i in range(self.recv_slots):
@@ -101,6 +110,7 @@ class Consumer:
                     free.put(s)
 
         th = threading.Thread(target=applier, name=f"shardsync-apply-{self.id}", daemon=True)
+        self._apply_thread = th
         th.start()
         received = 0
         try:
@@ -130,9 +140,11 @@ class Consumer:
         per_chunk = self.routes[group]
         got = 0
         for p in sorted(set(per_chunk)):
-            ready = self.clients[p].call(m.WaitReady(consumer=self.id, version=version, group=group),
-                                         timeout_s=self.timeout_s)
-            assert isinstance(ready, m.Ready)
+            ready = _expect(self.clients[p].call(m.WaitReady(consumer=self.id, version=version, group=group),
+                                                 timeout_s=self.timeout_s), m.Ready, f"producer {p}")
+            if (ready.version, ready.group) != (version, group):
+                raise SyncError(f"consumer {self.id}: producer {p} answered for group {ready.group!r} of version "
+                                f"{ready.version}, asked for {group!r} of version {version}")
             mine = {i for i, q in enumerate(per_chunk) if q == p}
             if {c[0] for c in ready.chunks} != mine:
                 raise SyncError(f"consumer {self.id}: producer {p} offers chunks {sorted(c[0] for c in ready.chunks)} "

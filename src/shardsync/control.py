@@ -188,17 +188,29 @@ class ControlClient:
             raise TransportError(f"cannot reach {peer} at {address[0]}:{address[1]}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
+        self._broken = ""
+
+    def _break(self, why: str) -> None:
+        self._broken = why
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     def call(self, msg: Msg, *, timeout_s: float) -> Msg:
         msg.token = self.token
         with self._lock:
+            if self._broken:  # a late reply may still be in flight: never read it as another call's answer
+                raise TransportError(f"connection to {self.peer} is broken after an earlier failure ({self._broken})")
             try:
                 self._sock.settimeout(timeout_s)
                 _send(self._sock, msg)
                 reply = _recv(self._sock)
             except socket.timeout:
+                self._break(f"{type(msg).__name__} timed out")
                 raise TransportError(f"{self.peer} did not answer {type(msg).__name__} within {timeout_s} s") from None
-            except (OSError, ConnectionError) as e:
+            except (OSError, ConnectionError, msgspec.DecodeError) as e:
+                self._break(f"{type(msg).__name__}: {e}")
                 raise TransportError(f"{self.peer} is unreachable ({type(msg).__name__}): {e}") from None
         if isinstance(reply, Fail):
             from . import errors

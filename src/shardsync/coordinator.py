@@ -34,11 +34,21 @@ class Coordinator:
         self.routes: dict[str, dict[str, list[int]]] | None = None
         self.load: dict[int, int] = {}
         self.descs: dict[int, dict[str, Any]] = {}
+        self.failed: Exception | None = None
+
+    def fail(self, err: Exception) -> Exception:
+        with self.cv:
+            if self.failed is None:
+                self.failed = err
+            self.cv.notify_all()
+        return err
 
     def _wait(self, pred: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         with self.cv:
             while not pred():
+                if self.failed is not None:  # one peer's failure is everyone's, at once
+                    raise self.failed
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportError(f"coordinator: timed out after {self.timeout_s} s waiting for {what}")
@@ -51,8 +61,9 @@ class Coordinator:
     def handle(self, msg: m.Msg) -> m.Msg | None:
         if isinstance(msg, m.Join):
             if msg.meta_digest != self.digest:
-                raise MetadataMismatch(f"producer {msg.rank} describes metadata {msg.meta_digest[:12]}, producer 0 "
-                                       f"{self.digest[:12]}: all trainer ranks must list the same tensors in order")
+                raise self.fail(MetadataMismatch(
+                    f"producer {msg.rank} describes metadata {msg.meta_digest[:12]}, producer 0 {self.digest[:12]}: "
+                    "all trainer ranks must list the same tensors in order"))
             with self.cv:
                 self.producers[msg.rank] = {"address": msg.address, "held": msg.held}
                 self.cv.notify_all()
@@ -67,16 +78,22 @@ class Coordinator:
             plan = Plan.from_json(msg.plan)
             plan.verify_digest()
             if plan.meta_digest != self.digest:
-                raise MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata")
+                raise self.fail(MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata"))
             with self.cv:
+                if msg.consumer in self.plans or self.routes is not None:
+                    raise MetadataMismatch(f"consumer {msg.consumer!r}: registration refused (duplicate id, or "
+                                           f"routes were already computed for {self.n_consumers} consumers)")
                 self.plans[msg.consumer] = plan
                 if len(self.plans) == self.n_consumers and self.routes is None:
-                    self._compute_routes()
+                    try:
+                        self._compute_routes()
+                    except Exception as e:
+                        raise self.fail(e) from None
                 self.cv.notify_all()
             self._wait(lambda: len(self.descs) == self.n_producers,
                        f"{self.n_consumers} consumers to register plans (have {len(self.plans)}) and "
                        f"{self.n_producers} producers to register buffers (have {len(self.descs)})")
-            assert self.routes is not None
+            assert self.routes is not None  # internal invariant: _wait returned after routing
             return m.Routes(routes=self.routes[plan.digest], producers=[
                 {"rank": p, "address": self.producers[p]["address"], "desc": self.descs[p]}
                 for p in range(self.n_producers)])

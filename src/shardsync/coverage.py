@@ -45,12 +45,15 @@ class CoverageReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def check_coverage(plan: Plan, params: Mapping[str, torch.Tensor]) -> CoverageReport:
-    """Mark every destination byte of every scatter; parameters may be on the meta device."""
+    """Mark every destination byte of every scatter into ``params`` (others are not checked); parameters
+    may be on the meta device."""
     masks: dict[str, torch.Tensor] = {}
     overlapping: set[str] = set()
     for g in plan.groups:
         for s in (*g.scatters, *g.fills):
-            p = params[s.dst]
+            p = params.get(s.dst)
+            if p is None:  # only the given parameters are checked
+                continue
             m = masks.get(s.dst)
             if m is None:
                 m = masks[s.dst] = torch.zeros(p.numel() * p.element_size(), dtype=torch.uint8)

@@ -83,6 +83,7 @@ class Producer:
         self.ready: dict[tuple[int, str], dict[str, list[list[int]]]] = {}
         self.pending: dict[tuple[int, str], set[str]] = {}
         self.gone: set[str] = set()
+        self.failed: dict[int, str] = {}
         self.stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ control handler
@@ -96,7 +97,12 @@ class Producer:
             plan_digest = self.consumer_plan.get(msg.consumer)
             if plan_digest is None:
                 raise SyncError(f"producer {self.cfg.rank}: unknown consumer {msg.consumer!r}")
-            self._wait(lambda: key in self.ready, f"group {msg.group!r} of version {msg.version} to be packed")
+            if msg.consumer in self.gone:
+                raise SyncError(f"producer {self.cfg.rank}: consumer {msg.consumer!r} left; re-admission needs a new init")
+            self._wait(lambda: key in self.ready or msg.version in self.failed,
+                       f"group {msg.group!r} of version {msg.version} to be packed")
+            if msg.version in self.failed:
+                raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {self.failed[msg.version]}")
             return m.Ready(version=msg.version, group=msg.group, chunks=self.ready[key].get(plan_digest, []))
         if isinstance(msg, m.Released):
             with self.cv:
@@ -133,7 +139,8 @@ class Producer:
         self.client.call(m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
                                 meta_digest=metadata_digest(self.metas)), timeout_s=cfg.init_timeout_s)
         asg = self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5)
-        assert isinstance(asg, m.Assignments)
+        if not isinstance(asg, m.Assignments):
+            raise TransportError(f"producer {cfg.rank}: coordinator answered {type(asg).__name__}, expected Assignments")
         self.plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
         self.consumer_plan = {c: d for d, cs in asg.consumers.items() for c in cs}
         self.consumers_of = {d: set(cs) for d, cs in asg.consumers.items()}
@@ -160,7 +167,17 @@ class Producer:
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int) -> dict[str, Any]:
-        """Serve one weight version; returns per-sync stats (bytes sent, max resident groups, seconds)."""
+        """Serve one weight version; returns per-sync stats (bytes sent, max resident groups, seconds).
+        A failure here is made known to every consumer waiting on this version before it is re-raised."""
+        try:
+            return self._sync(version)
+        except BaseException as e:
+            with self.cv:
+                self.failed[version] = f"{type(e).__name__}: {e}"
+                self.cv.notify_all()
+            raise
+
+    def _sync(self, version: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         by_name = {x.name: x for x in self.metas}
         free = list(range(self.n_slots))

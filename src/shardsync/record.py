@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import opcodec
-from .errors import UnsupportedLoaderOp
+from .errors import PlanError, UnsupportedLoaderOp
 from .groups import group_order, weight_group
 from .types import DestParam, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
 
@@ -285,12 +285,12 @@ def record_plan(
 
     ``params`` (or a custom ``resolve``) identifies which parameter each ``copy_`` lands in.
     """
+    if params is None:
+        raise PlanError("record_plan needs the destination params (they also guard against untracked writes)")
     if resolve is None:
-        if params is None:
-            raise TypeError("record_plan needs params or resolve")
         resolve = storage_resolver(params)
     recorder = Recorder(resolve, rank=rank, device=device)
-    storages = {p.untyped_storage()._cdata for p in (params or {}).values() if p.numel()}
+    storages = {p.untyped_storage()._cdata for p in params.values() if p.numel()}
     with _DestWatch(recorder, storages):
         load_weights((m.name, recorder.tensor(m)) for m in metadata)
     return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,

@@ -122,14 +122,25 @@ class TcpTransport:
                 s.settimeout(timeout_s)
                 s.sendall(_REQ.pack(offset, nbytes))
                 if recv_exact(s, 1) != _OK:
+                    self._drop(producer)
                     raise TransportError(f"tcp: producer {producer} refused read [{offset}, {offset + nbytes})")
                 recv_exact(s, nbytes, memoryview(into[:nbytes].numpy()))
             except socket.timeout:
+                self._drop(producer)  # the rest of the reply may still arrive: the stream is out of step
                 raise TransportError(f"tcp: read [{offset}, {offset + nbytes}) from producer {producer} did not "
                                      f"complete within {timeout_s} s") from None
             except (OSError, ConnectionError) as e:
+                self._drop(producer)
                 raise TransportError(f"tcp: read [{offset}, {offset + nbytes}) from producer {producer} failed: "
                                      f"{e}") from None
+
+    def _drop(self, producer: int) -> None:
+        s = self._peers.pop(producer, None)
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
 
     def close(self) -> None:
         self._closed.set()

@@ -38,6 +38,7 @@ class TorchDistTransport:
         self._buf: torch.Tensor | None = None
         self._peers: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        self._broken: set[int] = set()
         self._thread: threading.Thread | None = None
 
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
@@ -69,15 +70,21 @@ class TorchDistTransport:
         check_range(int(desc["nbytes"]), offset, nbytes, into, f"producer {producer} (rank {desc['rank']})")
         if nbytes == 0:
             return
+        if producer in self._broken:  # gloo cannot cancel a posted receive: it would take the next reply
+            raise TransportError(f"torch: producer {producer} (rank {desc['rank']}) is unusable after an earlier "
+                                 "failed read")
         with self._lock:  # one outstanding request per consumer keeps replies in order
             try:
-                dist.send(torch.tensor([offset, nbytes], dtype=torch.int64), dst=int(desc["rank"]),
-                          group=self.group, tag=_REQ_TAG)
+                wait = timedelta(seconds=timeout_s)
+                req = dist.isend(torch.tensor([offset, nbytes], dtype=torch.int64), dst=int(desc["rank"]),
+                                 group=self.group, tag=_REQ_TAG)
                 work = dist.irecv(into[:nbytes], src=int(desc["rank"]), group=self.group, tag=_DATA_TAG)
-                if not work.wait(timeout=timedelta(seconds=timeout_s)):
+                if not req.wait(timeout=wait) or not work.wait(timeout=wait):
+                    self._broken.add(producer)
                     raise TransportError(f"torch: read [{offset}, {offset + nbytes}) from producer {producer} "
                                          f"(rank {desc['rank']}) did not complete within {timeout_s} s")
             except RuntimeError as e:
+                self._broken.add(producer)
                 raise TransportError(f"torch: read [{offset}, {offset + nbytes}) from producer {producer} "
                                      f"(rank {desc['rank']}) failed: {str(e).splitlines()[0]}") from None
 

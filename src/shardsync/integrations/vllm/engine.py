@@ -112,6 +112,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._op = "sync"
         self._bytes = 0
         self._t0 = 0.0
+        self._started = self._received = False
+        self.inconsistent = False
 
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
@@ -155,7 +157,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
         if self.applier is None:
             raise SyncError(f"rank {self.rank}: start_weight_update before init_weight_transfer_engine")
+        if self._started:
+            raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
         initialize_layerwise_reload(self.model)
+        self._started, self._received = True, False
         self._applied.clear()
         self._bytes = 0
         self._op = "sync"
@@ -177,7 +182,13 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._bytes += self.applier.layouts[group].nbytes
 
     def receive_weights(self, info: ShardsyncUpdateInfo) -> None:
-        assert self.plan is not None and self.applier is not None
+        if self.plan is None or self.applier is None:
+            raise SyncError(f"rank {self.rank}: update_weights before init_weight_transfer_engine")
+        if not self._started or (self._received and (info.op != "sync" or self.consumer is not None)):
+            # outside a start/finish window the layers are live kernel tensors, not checkpoint-format buffers
+            raise SyncError(f"rank {self.rank}: update_weights needs start_weight_update first, and one pull per "
+                            "start/finish window")
+        self._received = True
         self._op = info.op
         if info.op == "sync" and self.consumer is not None:  # pull every group from the producers
             if info.version <= self.version:
@@ -215,12 +226,16 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        assert self.plan is not None
+        if self.plan is None:
+            raise SyncError(f"rank {self.rank}: finish_weight_update before init_weight_transfer_engine")
+        self._started = False
         missing = [g.name for g in self.plan.groups if g.name not in self._applied] if self._op == "sync" else []
+        self.inconsistent = bool(missing)
         with vllm_context(self.vllm_config):
             finalize_layerwise_reload(self.model, self.model_config)
         status = {"rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
-                  "seconds": time.perf_counter() - self._t0, "missing_groups": missing}
+                  "seconds": time.perf_counter() - self._t0, "missing_groups": missing,
+                  "inconsistent": self.inconsistent}
         _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
         if self._capture is not None:
             from safetensors.torch import save_file
@@ -230,8 +245,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             save_file({**self._capture, **live},
                       os.path.join(self.plan_dir, f"capture_rank{self.rank}_{self._op}.safetensors"))
         if missing:
-            raise SyncError(f"rank {self.rank}: sync v{self.version} finished without groups {missing[:5]} "
-                            f"({len(missing)} missing): those layers keep their previous weights")
+            raise SyncError(f"rank {self.rank}: sync finished without groups {missing[:5]} ({len(missing)} missing): "
+                            "those layers keep their previous weights while the others have the new ones — the "
+                            "engine holds MIXED versions until a later sync succeeds")
 
     def shutdown(self) -> None:
         if self.consumer is not None:

@@ -22,7 +22,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from ...errors import UnsupportedLoaderOp
+from ...coverage import check_coverage
+from ...errors import CoverageError, UnsupportedLoaderOp
 from ...pack import GroupUnpacker, layout_group
 from ...record import record_plan
 from ...types import ParamMeta, Plan
@@ -90,8 +91,21 @@ def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta
         tensors = model_tensors(model)
         plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
                            consumer=consumer, rank=rank, device=_device_of(model))
+        _require_coverage(plan, tensors, rank)
     _refuse_deferred_attention(model, plan, rank)
     return plan
+
+
+def _require_coverage(plan: Plan, tensors: dict, rank: int) -> None:
+    """Every tensor a sync materialises (the checkpoint-format tensors of each module the plan writes)
+    must be written in full by the plan: anything else would be processed from uninitialised memory."""
+    mods = {_module_of(d.name)[0] for d in plan.dests}
+    fresh = {n: t for n, t in tensors.items() if _module_of(n)[0] in mods and t.is_meta and t.numel()}
+    report = check_coverage(plan, fresh)
+    try:
+        report.raise_if_incomplete()
+    except CoverageError as e:
+        raise CoverageError(f"rank {rank}: {e} — the trainer's tensors do not fill these engine tensors") from None
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -112,7 +126,7 @@ def _refuse_deferred_attention(model: nn.Module, plan: Plan, rank: int) -> None:
     for d in plan.dests:
         mod, _ = _module_of(d.name)
         if is_deferred_attention_layer(model.get_submodule(mod)):
-            src = next(s.src for g in plan.groups for s in g.scatters if s.dst == d.name)
+            src = next((s.src for g in plan.groups for s in (*g.scatters, *g.fills) if s.dst == d.name), d.name)
             raise UnsupportedLoaderOp(tensor=src, op=f"copy_ into attention-layer tensor {d.name!r}", chain="",
                                       rank=rank, detail="vLLM reprocesses attention layers only at finalize by "
                                                         "re-running their loaders; not replayable")
