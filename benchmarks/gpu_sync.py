@@ -208,7 +208,7 @@ def scenario_a_producer(args, q_in, q_out, flags, q_ring):
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=0, world_size=2, timeout=timedelta(seconds=600))
     while (cmd := q_in.get()) is not None:
-        mode, pipelined, version = cmd["mode"], cmd["pipelined"], cmd["version"]
+        mode, pipelined, _version = cmd["mode"], cmd["pipelined"], cmd["version"]
         barrier(dev)
         t0 = time.perf_counter()
         if mode in ("ipc", "nixl"):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shardsync.errors import PlanError
 from shardsync.record import record_plan

@@ -27,7 +27,7 @@ import torch
 
 from . import control as m
 from .errors import SyncError, TransportError
-from .pack import DEFAULT_CHUNK_BYTES, GroupLayout
+from .pack import GroupLayout
 from .route import chunk_layouts, holders_from_ownership
 from .transport import Transport, make_transport
 from .types import ParamMeta, Plan

@@ -13,7 +13,6 @@ byte, with its own loaders run on the same full tensors::
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import secrets
 import traceback
 from dataclasses import asdict
