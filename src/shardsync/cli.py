@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     b = sub.add_parser("bench", help="shardsync vs broadcast baseline (and link SoL), side by side, on this machine")
     b.add_argument("--model", default="qwen3-moe-bench")
-    b.add_argument("--consumers", choices=["zoo"], default="zoo",
-                   help="zoo: loader-zoo consumer processes (vLLM loader semantics)")
+    b.add_argument("--consumers", choices=["zoo", "vllm"], default="zoo",
+                   help="zoo: loader-zoo consumer processes (vLLM loader semantics); vllm: real vLLM replicas "
+                        "(tiny checkpoint) against full tensors through update_weights")
     b.add_argument("--producers", type=int, default=2)
     b.add_argument("--replicas", type=int, default=2)
     b.add_argument("--tp", type=int, default=2)
@@ -66,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
                                   transport=args.transport, as_json=args.json) else 1
     if args.cmd == "bench":
-        from .bench import run_bench
+        from .bench import run_bench, run_bench_vllm
 
-        r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
-                      transport=args.transport, syncs=args.syncs, as_json=args.json)
+        if args.consumers == "vllm":
+            r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp,
+                               transport=args.transport, syncs=args.syncs, as_json=args.json)
+        else:
+            r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
+                          transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
     if args.cmd == "simulate":
         from .sim import run_simulate

@@ -18,8 +18,18 @@ _COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_
                intermediate_size=256, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def _config(arch: str):
+_BENCH = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=2048, vocab_size=16000, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _config(arch: str, size: str = "tiny"):
     import transformers as tf
+
+    if size == "bench":  # ~270 MB Qwen3-MoE: large enough for transfer times to dominate on this machine
+        if arch != "qwen3_moe":
+            raise ValueError("the bench size exists for qwen3_moe only")
+        return tf.Qwen3MoeConfig(head_dim=128, num_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+                                 decoder_sparse_step=1, mlp_only_layers=[], **_BENCH)
 
     if arch == "qwen3":
         return tf.Qwen3Config(head_dim=64, **_COMMON)
@@ -37,14 +47,15 @@ def _config(arch: str):
     raise ValueError(f"unknown tiny architecture {arch!r}; known: {ARCHS}")
 
 
-def build_tiny_checkpoint(arch: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> str:
+def build_tiny_checkpoint(arch: str, out_dir: str, *, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                          size: str = "tiny") -> str:
     """Random-weight checkpoint of ``arch`` (built from its transformers config) in ``out_dir``."""
     import transformers as tf
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     torch.manual_seed(seed)
-    cfg = _config(arch)
+    cfg = _config(arch, size)
     cfg.initializer_range = 0.2  # large enough for distinct greedy tokens in a 2-layer model
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     os.makedirs(out_dir, exist_ok=True)

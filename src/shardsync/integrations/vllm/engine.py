@@ -74,12 +74,16 @@ class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     groups: list[Any] = field(default_factory=list)
     """[[group name, packed bytes], ...] in transfer order."""
     op: str = "sync"
-    """``sync`` (packed groups) or ``reference`` (vLLM's own loaders on a perturbed checkpoint; verify)."""
+    """``sync`` (packed groups, or a pull in pull mode), ``reference`` (vLLM's own loaders on a perturbed
+    checkpoint; verify) or ``full`` (full tensors for vLLM's own loaders; the benchmark's baseline)."""
     model_dir: str = ""
     seed: int = 0
 
+    tensors: list[Any] = field(default_factory=list)
+    """op ``full`` (the broadcast baseline): [[name, dtype, shape, bytes], ...] full tensors for vLLM's loaders."""
+
     def __post_init__(self) -> None:
-        if self.op not in ("sync", "reference"):
+        if self.op not in ("sync", "reference", "full"):
             raise ValueError(f"unknown shardsync update op {self.op!r}")
 
 
@@ -197,6 +201,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             self.version = info.version
             return
         with vllm_context(self.vllm_config):
+            if info.op == "full":  # the baseline: every full tensor reaches every worker, vLLM's loaders keep a share
+                from ...types import dtype_of
+
+                self.model.load_weights([(n, torch.frombuffer(bytearray(b), dtype=dtype_of(d)).view(shape))
+                                         for n, d, shape, b in info.tensors])
+                self._bytes = sum(len(t[3]) for t in info.tensors)
+                self.version = info.version
+                return
             if info.op == "reference":  # vLLM's own loading of the same full tensors (verification)
                 from .checkpoints import load_checkpoint, perturb
 

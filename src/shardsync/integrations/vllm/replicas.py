@@ -65,14 +65,15 @@ class VllmReplicas:
 
         return [json.load(open(os.path.join(d, f"status_rank{r}.json"))) for d in self.dirs for r in range(self.tp)]
 
-    def check_against_reference(self, version: int) -> tuple[bool, list[str], int]:
-        """Load the same weights through vLLM's own loaders and compare every captured tensor."""
+    def check_against_reference(self, version: int, *, op: str = "sync") -> tuple[bool, list[str], int]:
+        """Load the same weights through vLLM's own loaders and compare every tensor captured by the last
+        update of kind ``op`` (``sync``, or ``full`` for the baseline)."""
         self.sync(version, {"op": "reference", "model_dir": self.model_dir, "seed": version, "version": version})
         bad: list[str] = []
         total = 0
         for i, d in enumerate(self.dirs):
             for r in range(self.tp):
-                n, mism = _compare(os.path.join(d, f"capture_rank{r}_sync.safetensors"),
+                n, mism = _compare(os.path.join(d, f"capture_rank{r}_{op}.safetensors"),
                                    os.path.join(d, f"capture_rank{r}_reference.safetensors"))
                 total += n
                 bad += [f"r{i}/rank{r}:{x}" for x in mism]
