@@ -37,6 +37,7 @@ from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape  # noqa: E402
 from shardsync.pack import _packed_view, dst_view, layout_group, replay  # noqa: E402
 from shardsync.record import record_plan  # noqa: E402
 from shardsync.types import ParamMeta  # noqa: E402
+from shardsync.validate import same_bytes  # noqa: E402
 from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
@@ -410,7 +411,7 @@ def check_a(cfg, metas, flat, live, params, proc, dev) -> dict:
                 continue
             ln = n.replace("model.layers.0.", p)
             compared += 1
-            if not torch.equal(t.view(-1).view(torch.uint8), params[ln].view(-1).view(torch.uint8)):
+            if not same_bytes(t, params[ln]):
                 bad.append(ln)
             if n.endswith(FP8_SUFFIXES):
                 for lp, q, s, name in proc.group_of(p[:-1]):
@@ -418,13 +419,13 @@ def check_a(cfg, metas, flat, live, params, proc, dev) -> dict:
                         rq, rs = torch.empty_like(q), torch.empty_like(s)
                         quantize_fp8_blocks(t, rq, rs)
                         compared += 1
-                        if not (torch.equal(rq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(rs, s)):
+                        if not (same_bytes(rq, q) and torch.equal(rs, s)):
                             bad.append(ln + " (fp8)")
     for n in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
         r = torch.empty_like(params[n])
         r.copy_(views[n])
         compared += 1
-        if not torch.equal(r.view(-1).view(torch.uint8), params[n].view(-1).view(torch.uint8)):
+        if not same_bytes(r, params[n]):
             bad.append(n)
     return {"check_compared": compared, "check_mismatched": bad[:20]}
 

@@ -10,20 +10,14 @@ from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig, ZooModel
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(-1).view(torch.uint8)
-
-
-def mismatched(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
-    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
-    return [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(raw(a[k]), raw(b[k]))]
+from shardsync.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
 
 
 def garbage(model: torch.nn.Module) -> None:
     """Fill every parameter with a non-zero byte pattern."""
     with torch.no_grad():
         for p in model.parameters():
-            p.view(-1).view(torch.uint8).fill_(0xA5)
+            fill_sentinel(p)
 
 
 def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int = 1):

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import json
 
-import torch
 
 from .loopback import LocalConsumer, loopback_sync
 from .record import record_plan
 from .source import ModuleSource
+from .validate import mismatched
 from .zoo import ZooConfig, ZooModel, hf_state_dict
-
-
-def _same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return all(torch.equal(sa[k].contiguous().view(-1).view(torch.uint8), sb[k].contiguous().view(-1).view(torch.uint8))
-               for k in sa)
 
 
 def run_zoo_demo(*, tp: int = 2, syncs: int = 3, layers: int = 4, as_json: bool = False) -> bool:
@@ -44,7 +38,7 @@ def run_zoo_demo(*, tp: int = 2, syncs: int = 3, layers: int = 4, as_json: bool 
         for r, live in enumerate(lives):
             ref = ZooModel(cfg, tp_size=tp, tp_rank=r)
             ref.load_weights(sd.items())  # what the engine's own loaders make of the full tensors
-            ok.append(_same_bytes(ref, live))
+            ok.append(not mismatched(ref.state_dict(), live.state_dict()))
         all_ok &= all(ok)
         per = "  ".join(f"rank{r} {b / 1e6:.3f} MB ({b / full_bytes:.0%})" for r, b in enumerate(report.bytes_per_consumer))
         print(f"sync v{version}: {per}  {report.seconds * 1e3:.1f} ms  bit-exact: {'yes' if all(ok) else 'NO'}")

@@ -107,6 +107,7 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
         from .consumer import Consumer
         from .pack import GroupUnpacker, layout_group
         from .record import record_plan
+        from .validate import mismatched
         from .zoo import ZooModel, hf_state_dict
 
         zc = ZooConfig(**cfg)
@@ -141,9 +142,7 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
             if kind == "check":  # after every process finished the sync: compare with our own loaders
                 ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
                 ref.load_weights(hf_state_dict(zc, seed=v).items())
-                rs = ref.state_dict()
-                bad = [k for k, t in live.state_dict().items()
-                       if not torch.equal(t.view(-1).view(torch.uint8), rs[k].view(-1).view(torch.uint8))]
+                bad = mismatched(live.state_dict(), ref.state_dict())
                 out.put(("checked", cid, bad))
                 continue
             if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders

@@ -32,7 +32,7 @@ from . import control as m
 from .coordinator import Coordinator
 from .errors import SyncError, TransportError
 from .groups import group_order
-from .pack import DEFAULT_CHUNK_BYTES, GroupPacker, _align
+from .pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
 from .route import chunk_layouts, holders_from_ownership
 from .source import WeightSource, check_tensor
 from .transport import Transport, make_transport
@@ -62,11 +62,13 @@ class ProducerConfig:
 
 @dataclass
 class _Unit:
+    """One chunk of one plan's group that this producer packs and serves (fixed at init)."""
+
     digest: str
-    chunk: int
-    src_start: int  # chunk start in the plan's group layout
-    nbytes: int
+    chunk: Chunk
     slot_offset: int  # offset inside a ring slot
+    packer: GroupPacker
+    sources: frozenset[str]  # checkpoint names the chunk's slices come from
 
 
 class Producer:
@@ -152,11 +154,14 @@ class Producer:
             for g, per_chunk in routes.items():
                 for ci, p in enumerate(per_chunk):
                     if p == cfg.rank:
-                        c = self.layouts[d][g].chunks[ci]
-                        self.units[g].append(_Unit(d, ci, c.start, c.nbytes, slot_end[g]))
+                        lay, gp = self.layouts[d][g], self.plans[d].group(g)
+                        c = lay.chunks[ci]
+                        srcs = frozenset(s.src for s in gp.scatters[c.first:c.stop])
+                        self.units[g].append(_Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
                         slot_end[g] = _align(slot_end[g] + c.nbytes, 64)
         self.order = group_order(self.units)
-        slot = max((u.slot_offset + u.nbytes for us in self.units.values() for u in us), default=0)
+        self.sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in self.units.items()}
+        slot = max((u.slot_offset + u.chunk.nbytes for us in self.units.values() for u in us), default=0)
         self.slot_bytes = _align(max(slot, 1), 64)
         self.n_slots = cfg.lookahead + 1
         self.ring = torch.zeros(self.n_slots * self.slot_bytes, dtype=torch.uint8)
@@ -200,21 +205,17 @@ class Producer:
             max_resident = max(max_resident, resident)
             slot = free.pop(0)
             units = self.units[g]
-            names = sorted({s.src for u in units for g_plan in [self.plans[u.digest].group(g)]
-                            for s in g_plan.scatters[self.layouts[u.digest][g].chunks[u.chunk].first:
-                                                     self.layouts[u.digest][g].chunks[u.chunk].stop]})
-            full = self.source.gather(names)
+            full = self.source.gather(self.sources[g])
             for n, t in full.items():
                 check_tensor(by_name[n], t, rank=self.cfg.rank)
             full = {n: t.contiguous() for n, t in full.items()}
             ready: dict[str, list[list[int]]] = defaultdict(list)
             base = slot * self.slot_bytes
             for u in units:
-                lay = self.layouts[u.digest][g]
-                c = lay.chunks[u.chunk]
+                c = u.chunk
                 region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-                GroupPacker(self.plans[u.digest].group(g), lay).pack(full, region, c, base=c.start)
-                ready[u.digest].append([u.chunk, base + u.slot_offset, c.nbytes])
+                u.packer.pack(full, region, c, base=c.start)
+                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes])
                 sent += c.nbytes * len(live(u.digest))
             del full  # rule 2: gathered tensors are not kept past packing
             with self.cv:

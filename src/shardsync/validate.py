@@ -22,7 +22,7 @@ from .errors import PlanError
 from .pack import GroupPacker, GroupUnpacker, layout_group
 from .types import GroupPlan, ParamMeta, dtype_of
 
-__all__ = ["random_full", "validate_group", "SENTINEL"]
+__all__ = ["random_full", "validate_group", "SENTINEL", "raw_bytes", "same_bytes", "mismatched", "fill_sentinel"]
 
 SENTINEL = 0xA5
 
@@ -38,11 +38,24 @@ def random_full(meta: ParamMeta, seed: int) -> torch.Tensor:
     return torch.randint(-100, 100, meta.shape, generator=g).to(dt)
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (contiguous copy if needed)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _sentinel(t: torch.Tensor) -> None:
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality: same dtype, same shape, same bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def mismatched(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of ``a`` whose tensor is not bit-exactly ``b``'s (both must hold the same names)."""
+    if a.keys() != b.keys():
+        raise ValueError(f"cannot compare: names differ {sorted(a.keys() ^ b.keys())[:5]}")
+    return [k for k in a if not same_bytes(a[k], b[k])]
+
+
+def fill_sentinel(t: torch.Tensor) -> None:
     """Fill with a byte pattern no loader writes by chance (by value for non-contiguous tensors)."""
     if t.is_contiguous():
         t.data.reshape(-1).view(torch.uint8).fill_(SENTINEL)
@@ -60,18 +73,18 @@ def validate_group(*, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]
     full = {m.name: random_full(m, seed) for m in metas}
     with torch.no_grad():
         for t in params.values():
-            _sentinel(t)
+            fill_sentinel(t)
         load_weights(list(full.items()))
-        expected = {n: _raw(t).clone() for n, t in params.items()}
+        expected = {n: raw_bytes(t).clone() for n, t in params.items()}
         for t in params.values():
-            _sentinel(t)
+            fill_sentinel(t)
         layout = layout_group(group)
         buf = torch.empty(layout.nbytes, dtype=torch.uint8)
         GroupPacker(group, layout).pack({n: t.contiguous() for n, t in full.items()}, buf)
         GroupUnpacker(group, layout).unpack(buf, params)
     where = f" on consumer rank {rank}" if rank is not None else ""
     for n, t in params.items():
-        got = _raw(t)
+        got = raw_bytes(t)
         if not torch.equal(got, expected[n]):
             writers = sorted({s.src for s in group.scatters if s.dst == n}) or ["<no recorded copy>"]
             diff = int((got != expected[n]).sum())

@@ -137,7 +137,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             from ...consumer import Consumer
 
             self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
-                                     apply=self._apply_async, transport=init_info.transport,
+                                     apply=self._apply, transport=init_info.transport,
                                      transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s)
             self.plan = self.consumer.init()
         else:
@@ -177,8 +177,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def _apply_async(self, group: str, buf: torch.Tensor) -> None:
-        """Runs on the consumer's apply thread: scatter into layerwise buffers, process finished layers."""
+    def _apply(self, group: str, buf: torch.Tensor) -> None:
+        """Scatter one group into the layerwise buffers and process the layers it completes (in pull mode
+        on the consumer's apply thread, in driver mode inline)."""
         assert self.applier is not None
         with vllm_context(self.vllm_config):
             self.applier.apply(group, buf)
@@ -230,9 +231,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                 if len(data) != expected:
                     raise SyncError(f"rank {self.rank}: group {gname!r} has {len(data)} bytes, expected {expected}")
                 buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
-                self.applier.apply(gname, buf)
-                self._applied.add(gname)
-                self._bytes += len(data)
+                self._apply(gname, buf)
             self.version = info.version
 
     def finish_weight_update(self) -> None:

@@ -17,9 +17,9 @@ import tempfile
 import time
 import traceback
 
-import torch
 
 from ...source import ModuleSource
+from ...validate import same_bytes
 from .checkpoints import load_checkpoint, perturb
 from .trainer import pack_updates, read_plans
 
@@ -39,9 +39,7 @@ def _compare(a_path: str, b_path: str) -> tuple[int, list[str]]:
     a, b = load_file(a_path), load_file(b_path)
     bad = sorted(k.split(":", 1)[1] + (" (" + k.split(":")[0] + ")") for k in a.keys() ^ b.keys())
     for k in sorted(a.keys() & b.keys()):
-        x, y = a[k], b[k]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8),
-                                                                        y.reshape(-1).view(torch.uint8)):
+        if not same_bytes(a[k], b[k]):
             bad.append(f"{k.split(':', 1)[1]} ({k.split(':')[0]})")
     return len(a.keys() | b.keys()), bad
 
