@@ -34,10 +34,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape  # noqa: E402
-from shardsync.pack import _packed_view, dst_view, layout_group, replay  # noqa: E402
-from shardsync.record import record_plan  # noqa: E402
+from shardsync.plan.pack import _packed_view, dst_view, layout_group, replay  # noqa: E402
+from shardsync.plan.record import record_plan  # noqa: E402
 from shardsync.types import ParamMeta  # noqa: E402
-from shardsync.validate import same_bytes  # noqa: E402
+from shardsync.plan.validate import same_bytes  # noqa: E402
 from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
@@ -289,7 +289,7 @@ def scenario_a_consumer(args, q_in, q_out, flags, q_ring):
     results = {"plan_bytes": plan.nbytes, "groups": len(side.groups), "tensors": len(metas)}
     layer_left: dict[str, int] = {}
     for m in metas:
-        from shardsync.groups import weight_group
+        from shardsync.plan.groups import weight_group
         layer_left[weight_group(m.name)] = layer_left.get(weight_group(m.name), 0) + 1
     while (cmd := q_in.get()) is not None:
         mode, pipelined, process = cmd["mode"], cmd["pipelined"], cmd["process"]
@@ -344,7 +344,7 @@ def scenario_a_consumer(args, q_in, q_out, flags, q_ring):
                     works[j] = dist.irecv(recv[j % RECV_SLOTS][: side.layouts[side.groups[j]].nbytes], src=0)
         elif mode in ("bcast_tensor", "bcast_bucket"):
             left = dict(layer_left)
-            from shardsync.groups import weight_group
+            from shardsync.plan.groups import weight_group
             it = ([[m] for m in metas] if mode == "bcast_tensor" else buckets(metas, 1 << 30))
             bucket = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
             for chunk in it:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.loopback import LocalConsumer, loopback_sync
-from shardsync.record import record_plan
+from shardsync.engine.loopback import LocalConsumer, loopback_sync
+from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig, ZooModel
 
 
-from shardsync.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
+from shardsync.plan.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
 
 
 def garbage(model: torch.nn.Module) -> None:

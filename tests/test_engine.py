@@ -7,9 +7,9 @@ import time
 import pytest
 
 from shardsync.errors import MetadataMismatch
-from shardsync.localcluster import LocalCluster, pp_share
-from shardsync.route import holders_from_ownership, route_plans
-from shardsync.record import record_plan
+from shardsync.tools.localcluster import LocalCluster, pp_share
+from shardsync.plan.route import holders_from_ownership, route_plans
+from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 

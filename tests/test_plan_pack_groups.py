@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from shardsync.errors import PlanError
-from shardsync.groups import group_order, weight_group
-from shardsync.pack import layout_group
-from shardsync.record import record_plan
+from shardsync.plan.groups import group_order, weight_group
+from shardsync.plan.pack import layout_group
+from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.types import GroupPlan, Plan, Scatter
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 
 DIGEST_SCRIPT = """
-from shardsync.record import record_plan
+from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 cfg = ZooConfig.qwen3_moe_tiny()

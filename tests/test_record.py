@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from helpers import raw
-from shardsync.coverage import check_coverage
+from shardsync.plan.coverage import check_coverage
 from shardsync.errors import CoverageError, UnsupportedLoaderOp
-from shardsync.loopback import LocalConsumer, loopback_sync
-from shardsync.pack import replay
-from shardsync.record import RecordingTensor, record_plan
+from shardsync.engine.loopback import LocalConsumer, loopback_sync
+from shardsync.plan.pack import replay
+from shardsync.plan.record import RecordingTensor, record_plan
 from shardsync.source import ModuleSource
 from shardsync.types import ParamMeta
 
@@ -177,7 +177,7 @@ def test_unneeded_names_and_coverage() -> None:
 
 
 def test_recording_tensor_has_no_storage() -> None:
-    from shardsync.record import Recorder
+    from shardsync.plan.record import Recorder
     rt = Recorder(lambda d: None).tensor(ParamMeta(name="big", dtype="bfloat16", shape=(1 << 20, 1 << 14)))
     assert isinstance(rt, RecordingTensor) and rt.shape == (1 << 20, 1 << 14)  # 32 GiB, never allocated
     with pytest.raises(UnsupportedLoaderOp, match="'big'"):

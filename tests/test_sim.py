@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers import garbage, mismatched
-from shardsync.coverage import check_coverage
-from shardsync.loopback import LocalConsumer, loopback_sync
-from shardsync.record import record_plan
-from shardsync.sim import calibrate_cpu, pipeline_time, run_simulate
-from shardsync.sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
+from shardsync.plan.coverage import check_coverage
+from shardsync.engine.loopback import LocalConsumer, loopback_sync
+from shardsync.plan.record import record_plan
+from shardsync.tools.sim import calibrate_cpu, pipeline_time, run_simulate
+from shardsync.tools.sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig
 from shardsync.zoo.mla import MLAConfig, MLAModel, mla_metadata
@@ -198,7 +198,7 @@ def test_calibrate_cpu_against_the_measured_bench() -> None:
 
 
 def test_forked_workers_record_the_same_plans(monkeypatch) -> None:
-    import shardsync.sim_models as sm
+    import shardsync.tools.sim_models as sm
 
     spec = _spec(SMALL["mla_q_lora"])
     keys = [(2, r, 2, r) for r in range(2)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shardsync.errors import PlanError
-from shardsync.record import record_plan
+from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
-from shardsync.validate import validate_group
+from shardsync.plan.validate import validate_group
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import zoo_roundtrip
-from shardsync.coverage import check_coverage
+from shardsync.plan.coverage import check_coverage
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 
 CASES = {

@@ -59,15 +59,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         if args.consumers == "zoo":
-            from .demo import run_zoo_demo
+            from .tools.demo import run_zoo_demo
 
             return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
-        from .integrations.vllm.demo import run_vllm_demo
+        from .tools.vllm_demo import run_vllm_demo
 
         return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
                                   transport=args.transport, as_json=args.json) else 1
     if args.cmd == "bench":
-        from .bench import run_bench, run_bench_vllm
+        from .tools.bench import run_bench, run_bench_vllm
 
         if args.consumers == "vllm":
             r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp,
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                           transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
     if args.cmd == "simulate":
-        from .sim import run_simulate
+        from .tools.sim import run_simulate
 
         try:
             run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,

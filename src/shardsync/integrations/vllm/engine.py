@@ -134,7 +134,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             return plan
 
         if init_info.coordinator is not None:  # pull mode: the transfer engine
-            from ...consumer import Consumer
+            from ...engine.consumer import Consumer
 
             self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
                                      apply=self._apply, transport=init_info.transport,

@@ -22,12 +22,12 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from ...coverage import check_coverage
+from ...plan.coverage import check_coverage
 from ...errors import CoverageError, UnsupportedLoaderOp
-from ...pack import GroupUnpacker, layout_group
-from ...record import record_plan
+from ...plan.pack import GroupUnpacker, layout_group
+from ...plan.record import record_plan
 from ...types import ParamMeta, Plan
-from ...validate import validate_group
+from ...plan.validate import validate_group
 
 __all__ = ["record_vllm_plan", "validate_plan", "LayerApplier", "model_tensors", "vllm_context"]
 
@@ -138,7 +138,7 @@ def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], 
     tensors. Returns the number of tensors compared; raises PlanError naming the first difference."""
     layerwise, meta_mod, utils = _reload()
     by_group: dict[str, list[ParamMeta]] = defaultdict(list)
-    from ...groups import weight_group
+    from ...plan.groups import weight_group
 
     for m in metadata:
         by_group[weight_group(m.name)].append(m)

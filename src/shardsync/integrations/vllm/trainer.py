@@ -12,8 +12,8 @@ import time
 import torch
 
 from ...errors import MetadataMismatch, TransportError
-from ...groups import group_order
-from ...pack import GroupPacker, layout_group
+from ...plan.groups import group_order
+from ...plan.pack import GroupPacker, layout_group
 from ...source import WeightSource, check_tensor
 from ...types import Plan, metadata_digest
 

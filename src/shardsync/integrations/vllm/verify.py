@@ -19,7 +19,7 @@ import traceback
 
 
 from ...source import ModuleSource
-from ...validate import same_bytes
+from ...plan.validate import same_bytes
 from .checkpoints import load_checkpoint, perturb
 from .trainer import pack_updates, read_plans
 

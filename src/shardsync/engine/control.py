@@ -19,8 +19,8 @@ from typing import Any, Callable, Union
 
 import msgspec
 
-from .errors import ShardsyncError, TransportError
-from .transport.tcp import recv_exact
+from ..errors import ShardsyncError, TransportError
+from ..transport.tcp import recv_exact
 
 __all__ = ["ControlServer", "ControlClient", "Msg"]
 
@@ -213,7 +213,7 @@ class ControlClient:
                 self._break(f"{type(msg).__name__}: {e}")
                 raise TransportError(f"{self.peer} is unreachable ({type(msg).__name__}): {e}") from None
         if isinstance(reply, Fail):
-            from . import errors
+            from .. import errors
 
             cls = getattr(errors, reply.kind, ShardsyncError)
             try:

@@ -18,9 +18,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .errors import PlanError
+from ..errors import PlanError
 from .pack import GroupPacker, GroupUnpacker, layout_group
-from .types import GroupPlan, ParamMeta, dtype_of
+from ..types import GroupPlan, ParamMeta, dtype_of
 
 __all__ = ["random_full", "validate_group", "SENTINEL", "raw_bytes", "same_bytes", "mismatched", "fill_sentinel"]
 

@@ -14,11 +14,11 @@ from typing import Callable, Mapping, Sequence
 import msgspec
 import torch
 
-from .errors import MetadataMismatch
-from .groups import group_order
-from .pack import DEFAULT_CHUNK_BYTES, GroupPacker, GroupUnpacker, check_dests, layout_group
-from .source import WeightSource, check_tensor
-from .types import Plan, metadata_digest
+from ..errors import MetadataMismatch
+from ..plan.groups import group_order
+from ..plan.pack import DEFAULT_CHUNK_BYTES, GroupPacker, GroupUnpacker, check_dests, layout_group
+from ..source import WeightSource, check_tensor
+from ..types import Plan, metadata_digest
 
 __all__ = ["LocalConsumer", "SyncReport", "loopback_sync"]
 

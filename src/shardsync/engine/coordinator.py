@@ -16,9 +16,9 @@ from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 from . import control as m
-from .errors import MetadataMismatch, TransportError
-from .route import holders_from_ownership, route_plans
-from .types import ParamMeta, Plan, metadata_digest
+from ..errors import MetadataMismatch, TransportError
+from ..plan.route import holders_from_ownership, route_plans
+from ..types import ParamMeta, Plan, metadata_digest
 
 
 class Coordinator:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .types import dtype_name, dtype_of
+from ..types import dtype_name, dtype_of
 
 
 class NotEncodable(TypeError):

@@ -30,13 +30,13 @@ import torch
 
 from . import control as m
 from .coordinator import Coordinator
-from .errors import SyncError, TransportError
-from .groups import group_order
-from .pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
-from .route import chunk_layouts, holders_from_ownership
-from .source import WeightSource, check_tensor
-from .transport import Transport, make_transport
-from .types import Plan, metadata_digest
+from ..errors import SyncError, TransportError
+from ..plan.groups import group_order
+from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
+from ..plan.route import chunk_layouts, holders_from_ownership
+from ..source import WeightSource, check_tensor
+from ..transport import Transport, make_transport
+from ..types import Plan, metadata_digest
 
 
 @dataclass

@@ -13,9 +13,9 @@ import os
 import tempfile
 import time
 
-from ...localcluster import LocalCluster
-from .checkpoints import build_tiny_checkpoint, load_checkpoint
-from .replicas import VllmReplicas, _parallel
+from .localcluster import LocalCluster
+from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint
+from ..integrations.vllm.replicas import VllmReplicas, _parallel
 
 
 def run_vllm_demo(*, arch: str = "qwen3_moe", producers: int = 2, replicas: int = 2, tp: int = 2, syncs: int = 3,

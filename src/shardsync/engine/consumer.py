@@ -26,11 +26,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import control as m
-from .errors import SyncError, TransportError
-from .pack import GroupLayout
-from .route import chunk_layouts, holders_from_ownership
-from .transport import Transport, make_transport
-from .types import ParamMeta, Plan
+from ..errors import SyncError, TransportError
+from ..plan.pack import GroupLayout
+from ..plan.route import chunk_layouts, holders_from_ownership
+from ..transport import Transport, make_transport
+from ..types import ParamMeta, Plan
 
 RecordFn = Callable[[Sequence[ParamMeta]], Plan]
 

@@ -48,8 +48,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from .groups import POST, PRE, group_order, weight_group
-from .route import chunk_layouts, route_plans
+from ..plan.groups import POST, PRE, group_order, weight_group
+from ..plan.route import chunk_layouts, route_plans
 from .sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
 
 __all__ = ["PRESETS", "Topology", "run_simulate", "simulate", "calibrate_cpu", "pipeline_time", "holders"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .groups import weight_group
-from .zoo import ZooConfig
+from ..plan.groups import weight_group
+from ..zoo import ZooConfig
 
 _CTX = mp.get_context("spawn")
 
@@ -45,15 +45,15 @@ class VersionedSource:
 
     @staticmethod
     def make(spec: dict, rank: int, n: int):
-        from .source import ModuleSource
+        from ..source import ModuleSource
 
         if spec["kind"] == "zoo":
-            from .zoo import hf_state_dict
+            from ..zoo import hf_state_dict
 
             zc = ZooConfig(**spec["cfg"])
             weights_at = lambda v: hf_state_dict(zc, seed=v)  # noqa: E731
         else:  # a checkpoint on disk, perturbed deterministically per version
-            from .integrations.vllm.checkpoints import load_checkpoint, perturb
+            from ..integrations.vllm.checkpoints import load_checkpoint, perturb
 
             base = load_checkpoint(spec["path"])
             weights_at = lambda v: perturb(base, v)  # noqa: E731
@@ -71,7 +71,7 @@ class VersionedSource:
 def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any) -> None:
     try:
         torch.set_num_threads(1)
-        from .producer import Producer, ProducerConfig
+        from ..engine.producer import Producer, ProducerConfig
 
         src = VersionedSource.make(spec, rank, n)
         bl = pcfg.pop("baseline", None)
@@ -104,11 +104,11 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
                    timeout_s: float, cmd: Any, out: Any, bl: dict | None = None) -> None:
     try:
         torch.set_num_threads(1)
-        from .consumer import Consumer
-        from .pack import GroupUnpacker, layout_group
-        from .record import record_plan
-        from .validate import mismatched
-        from .zoo import ZooModel, hf_state_dict
+        from ..engine.consumer import Consumer
+        from ..plan.pack import GroupUnpacker, layout_group
+        from ..plan.record import record_plan
+        from ..plan.validate import mismatched
+        from ..zoo import ZooModel, hf_state_dict
 
         zc = ZooConfig(**cfg)
         live = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)

@@ -14,8 +14,8 @@ from typing import Mapping
 import msgspec
 import torch
 
-from .errors import CoverageError
-from .types import Plan, dtype_of
+from ..errors import CoverageError
+from ..types import Plan, dtype_of
 
 __all__ = ["CoverageReport", "check_coverage"]
 

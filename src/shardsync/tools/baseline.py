@@ -20,8 +20,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .source import WeightSource
-from .types import ParamMeta, dtype_of
+from ..source import WeightSource
+from ..types import ParamMeta, dtype_of
 
 
 def init_baseline(rank: int, world: int, port: int, n_producers: int, *, timeout_s: float = 120.0) -> list:

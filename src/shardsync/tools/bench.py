@@ -18,7 +18,7 @@ import time
 import torch
 
 from .localcluster import LocalCluster
-from .zoo import ZooConfig, hf_state_dict
+from ..zoo import ZooConfig, hf_state_dict
 
 PRESETS = {
     # Qwen3-MoE naming and structure (GQA, qk-norm, 32 experts/layer), shrunk to fit 2 CPU cores
@@ -31,7 +31,7 @@ PRESETS = {
 
 
 def _raw_server(q, n: int, transport: str) -> None:
-    from .transport import make_transport
+    from ..transport import make_transport
 
     t = make_transport(transport, **({"host": "127.0.0.1"} if transport == "tcp" else {}))
     q.put(t.register(torch.ones(n, dtype=torch.uint8)))
@@ -40,7 +40,7 @@ def _raw_server(q, n: int, transport: str) -> None:
 
 def link_bandwidth(transport: str, nbytes: int = 128 << 20, reps: int = 3) -> float:
     """Bytes/s of one large read between two processes over ``transport`` (the speed of light here)."""
-    from .transport import make_transport
+    from ..transport import make_transport
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -119,9 +119,9 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     import os
     import tempfile
 
-    from .integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-    from .integrations.vllm.replicas import VllmReplicas, _parallel
-    from .types import dtype_name
+    from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+    from ..integrations.vllm.replicas import VllmReplicas, _parallel
+    from ..types import dtype_name
 
     ckpt = build_tiny_checkpoint(arch, os.path.join(tempfile.gettempdir(), "shardsync-bench", f"{arch}-{size}"),
                                  size=size)

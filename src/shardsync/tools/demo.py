@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 
-from .loopback import LocalConsumer, loopback_sync
-from .record import record_plan
-from .source import ModuleSource
-from .validate import mismatched
-from .zoo import ZooConfig, ZooModel, hf_state_dict
+from ..engine.loopback import LocalConsumer, loopback_sync
+from ..plan.record import record_plan
+from ..source import ModuleSource
+from ..plan.validate import mismatched
+from ..zoo import ZooConfig, ZooModel, hf_state_dict
 
 
 def run_zoo_demo(*, tp: int = 2, syncs: int = 3, layers: int = 4, as_json: bool = False) -> bool:

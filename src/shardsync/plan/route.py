@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Mapping, Sequence
 
-from .errors import MetadataMismatch
+from ..errors import MetadataMismatch
 from .pack import DEFAULT_CHUNK_BYTES, GroupLayout, layout_group
-from .types import Plan
+from ..types import Plan
 
 __all__ = ["holders_from_ownership", "chunk_layouts", "route_plans", "Routes"]
 

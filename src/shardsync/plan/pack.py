@@ -18,8 +18,8 @@ from typing import Callable, Hashable, Mapping
 import msgspec
 import torch
 
-from .errors import PlanError, SyncError
-from .types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
+from ..errors import PlanError, SyncError
+from ..types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
 
 __all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker", "GroupUnpacker"]

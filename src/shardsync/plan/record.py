@@ -21,9 +21,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import opcodec
-from .errors import PlanError, UnsupportedLoaderOp
+from ..errors import PlanError, UnsupportedLoaderOp
 from .groups import group_order, weight_group
-from .types import DestParam, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
+from ..types import DestParam, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
 
 __all__ = ["RecordingTensor", "Recorder", "record_plan", "DestinationResolver"]
 

@@ -43,11 +43,11 @@ import msgspec
 import torch
 from torch import nn
 
-from .groups import group_order, weight_group
-from .record import record_plan
-from .types import GroupPlan, ParamMeta, Plan, metadata_digest
-from .zoo import ZooConfig, ZooModel, hf_shapes
-from .zoo.mla import MLAConfig, MLAModel, mla_metadata
+from ..plan.groups import group_order, weight_group
+from ..plan.record import record_plan
+from ..types import GroupPlan, ParamMeta, Plan, metadata_digest
+from ..zoo import ZooConfig, ZooModel, hf_shapes
+from ..zoo.mla import MLAConfig, MLAModel, mla_metadata
 
 __all__ = ["ConsumerKey", "ModelSpec", "Topology", "load_config", "model_spec", "expert_of", "record_plans",
            "zoo_metadata"]
