@@ -138,7 +138,7 @@ UNSUPPORTED = {
     "cat": lambda t, p: p.copy_(torch.cat([t[:1], t[1:]])),
     "broadcast_copy": lambda t, p: p.copy_(t[:1]),
     "copy_into_temporary": lambda t, p: torch.zeros_like(p).copy_(t),
-    "advanced_index": lambda t, p: p.copy_(t[[0, 1, 2]]),
+    "float_index": lambda t, p: p.copy_(t[torch.tensor([0.0, 1.0, 2.0])]),
     "exp": lambda t, p: p.copy_(torch.exp(t)),
     "copy_into_ckpt": lambda t, p: t.copy_(p),
     "numpy": lambda t, p: t.numpy(),
@@ -209,3 +209,23 @@ def test_constant_fills_are_recorded_in_order_and_other_param_writes_refused() -
             params["p"].mul_(2)
     with pytest.raises(UnsupportedLoaderOp, match=r"mul_ on parameter 'p'.*'x'|'x'.*mul_ on parameter 'p'"):
         record_plan(metadata=[ParamMeta.of("x", w)], load_weights=bad, params=params)
+
+
+@pytest.mark.parametrize("how", ["getitem_tensor", "getitem_list", "index_select", "bool_mask"])
+def test_constant_index_gathers_are_recorded_and_replayed(how: str) -> None:
+    """Expert-parallel loaders pick their local experts with an index tensor fixed at init
+    (``w[local_expert_ids]``); the indices become constants of the plan and the gather is replayed."""
+    full = torch.arange(6 * 4 * 2, dtype=torch.float32).reshape(6, 4, 2)
+    idx = torch.tensor([1, 4, 5])
+    params = {"p": torch.zeros(3, 2, 4)}
+    pick = {"getitem_tensor": lambda t: t[idx], "getitem_list": lambda t: t[[1, 4, 5]],
+            "index_select": lambda t: t.index_select(0, idx),
+            "bool_mask": lambda t: t[torch.tensor([False, True, False, False, True, True])]}[how]
+    meta = [ParamMeta(name="model.layers.0.mlp.experts.w", dtype="float32", shape=(6, 4, 2))]
+    plan = record_plan(metadata=meta, load_weights=lambda ws: [params["p"].copy_(pick(t).transpose(-1, -2))
+                                                               for _, t in ws], params=params)
+    (s,) = plan.groups[0].scatters
+    assert s.view is None  # a gather copies: replayed op by op, not folded into a strided view
+    assert torch.equal(replay(s, full), full[[1, 4, 5]].transpose(-1, -2))
+    again = type(plan).from_json(plan.to_json())  # the constants survive the wire format
+    assert torch.equal(replay(again.groups[0].scatters[0], full), full[[1, 4, 5]].transpose(-1, -2))

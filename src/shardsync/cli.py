@@ -1,7 +1,7 @@
 """Command line: ``shardsync demo | verify | bench | simulate``.
 
     shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
-    shardsync verify MODEL_DIR --tp 2    # will my model work? real vLLM, bit-exact check
+    shardsync verify MODEL_DIR --tp 2    # will my model work? synced engine vs a fresh engine, bytes compared
     shardsync bench                      # shardsync vs broadcast baseline vs link SoL, this machine
     shardsync simulate --preset kimi-k2-48n   # cluster-scale SoL and predicted sync time
 """
@@ -13,6 +13,18 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .tools.output import json_mode
+
+    args = _parser().parse_args(argv)
+    if getattr(args, "json", False):  # stdout carries only the JSON: vLLM's logs (engines, workers) go to stderr
+        import os
+
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    with json_mode(getattr(args, "json", False)):
+        return _run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardsync", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="producers sync a tiny Qwen3-MoE into real vLLM replicas; every byte checked")
@@ -29,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--tp", type=int, default=1)
     v.add_argument("--expert-parallel", action="store_true")
     v.add_argument("--json", action="store_true")
-    v.add_argument("--no-validate", action="store_true", help="skip the init-time check against real loaders")
+    v.add_argument("--reference", choices=["fresh", "none"], default="fresh",
+                   help="fresh: compare with a second engine started on the new weights (default); none: sync only")
+    v.add_argument("--no-validate", action="store_true", help="skip the init-time checks (loaders, processing)")
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     b = sub.add_parser("bench", help="shardsync vs broadcast baseline (and link SoL), side by side, on this machine")
     b.add_argument("--model", default="qwen3-moe-bench")
@@ -56,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="full: record every consumer's plan; template: record distinct plan shapes once")
     sm.add_argument("--colocate", action="store_true", help="consumers on the trainer nodes")
     sm.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.cmd == "demo":
         if args.consumers == "zoo":
             from .tools.demo import run_zoo_demo
@@ -92,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         from .integrations.vllm.verify import run_verify
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
-                          validate=not args.no_validate, corrupt=args.self_test_corrupt)
+                          validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference)
     return 2
 
 

@@ -179,6 +179,28 @@ class GroupPlan(_Record):
     """Constant writes of the loaders, applied at their recorded position (no bytes on the wire)."""
 
 
+FALLBACK_PREFIX = "shardsync.fallback:"
+"""Destination names ``FALLBACK_PREFIX + src``: a scratch buffer the whole source tensor lands in, handed
+to the engine's real loader at sync time (see :class:`Fallback`)."""
+
+
+class Fallback(_Record):
+    """A checkpoint tensor whose loader computes values (``A = -exp(A_log)``, ``w * 2``): no trainer-side
+    view can replay it, so the consumer receives the tensor whole (one scatter into
+    ``FALLBACK_PREFIX + src``) and runs the engine's real loader on it at sync time."""
+
+    src: str
+    """Checkpoint tensor name."""
+    dests: tuple[str, ...]
+    """Parameters that loader writes (found by a dry run on a plain meta tensor)."""
+    reason: str
+    """Why it could not be recorded (the UnsupportedLoaderOp's text)."""
+
+    @property
+    def scratch(self) -> str:
+        return FALLBACK_PREFIX + self.src
+
+
 class DestParam(_Record):
     """Layout of one destination parameter as seen when the plan was recorded."""
 
@@ -205,11 +227,13 @@ class Plan(_Record):
     """Checkpoint names that never reached a ``copy_`` on this consumer: never sent to it."""
     dests: tuple[DestParam, ...] = ()
     """Every parameter the plan writes, with the layout it had at recording time (checked at apply)."""
+    fallback: tuple[Fallback, ...] = ()
+    """Checkpoint tensors loaded by the engine's real loader at sync time (whole tensor on the wire)."""
     digest: str = ""
     """Content digest of everything above except ``consumer``; filled by :meth:`sealed`."""
 
     def content_digest(self) -> str:
-        return digest_of([self.meta_digest, self.groups, self.unneeded, self.dests])
+        return digest_of([self.meta_digest, self.groups, self.unneeded, self.dests, self.fallback])
 
     def sealed(self) -> "Plan":
         return msgspec.structs.replace(self, digest=self.content_digest())

@@ -1,4 +1,5 @@
-"""JSON-safe encoding of op arguments (ints, tuples, slices, Ellipsis, None, dtypes).
+"""JSON-safe encoding of op arguments (ints, tuples, slices, Ellipsis, None, dtypes, and constant
+integer / bool index tensors fixed at init, e.g. the local experts of an expert-parallel rank).
 
     >>> decode(encode((slice(0, 4), Ellipsis, None)))
     (slice(0, 4, None), Ellipsis, None)
@@ -14,7 +15,12 @@ from ..types import dtype_name, dtype_of
 
 
 class NotEncodable(TypeError):
-    """An argument that cannot be part of a replayable op (a tensor, an object, …)."""
+    """An argument that cannot be part of a replayable op (a float tensor, an object, …)."""
+
+
+MAX_INDEX_ELEMENTS = 1 << 20
+"""Largest constant index tensor a plan may carry (bounds what a peer's plan can make a trainer build)."""
+_INDEX_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 def encode(x: Any) -> Any:
@@ -34,6 +40,12 @@ def encode(x: Any) -> Any:
         return {"D": dtype_name(x)}
     if isinstance(x, torch.memory_format):
         return {"M": str(x).removeprefix("torch.")}
+    if isinstance(x, torch.Tensor) and type(x) is torch.Tensor and not x.is_meta:
+        name = dtype_name(x.dtype)
+        if name not in _INDEX_DTYPES or x.numel() > MAX_INDEX_ELEMENTS:
+            raise NotEncodable(f"only integer/bool index tensors of <= {MAX_INDEX_ELEMENTS} elements are recorded "
+                               f"as constants; got {name} of shape {tuple(x.shape)}")
+        return {"X": [name, list(x.shape), x.detach().cpu().reshape(-1).tolist()]}
     raise NotEncodable(f"cannot record argument of type {type(x).__name__}: {x!r}"[:200])
 
 
@@ -53,10 +65,31 @@ def decode(x: Any) -> Any:
         return dtype_of(v)
     if k == "M":
         return getattr(torch, v)
+    if k == "X":
+        name, shape, values = v
+        if name not in _INDEX_DTYPES or len(values) > MAX_INDEX_ELEMENTS or len(values) != _numel(shape):
+            raise ValueError(f"bad constant index tensor: dtype {name!r}, shape {shape}, {len(values)} values")
+        return torch.tensor(values, dtype=dtype_of(name)).reshape(shape)
     raise ValueError(f"unknown encoded argument {x!r}")
+
+
+def _numel(shape: list) -> int:
+    n = 1
+    for s in shape:
+        if not isinstance(s, int) or s < 0:
+            return -1
+        n *= s
+    return n
 
 
 def render(name: str, args: tuple, kwargs: dict) -> str:
     """Human-readable form of one op, for error messages: ``narrow(0, 64, 64)``."""
-    parts = [repr(decode(a)) for a in args] + [f"{k}={decode(v)!r}" for k, v in kwargs.items()]
+    parts = [_short(a) for a in args] + [f"{k}={decode(v)!r}" for k, v in kwargs.items()]
     return f"{name}({', '.join(parts)})"
+
+
+def _short(a: Any) -> str:
+    if isinstance(a, dict) and "X" in a:
+        name, shape, values = a["X"]
+        return f"tensor({values[:8]}{'…' if len(values) > 8 else ''}, dtype={name}, shape={tuple(shape)})"
+    return repr(decode(a))

@@ -93,8 +93,8 @@ def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
         return full.as_strided(v.shape, v.stride, full.storage_offset() + v.offset)
     t = full
     for op in s.ops:
-        args = tuple(opcodec.decode(a) for a in op.args)
-        kwargs = {k: opcodec.decode(v) for k, v in op.kwargs.items()}
+        args = tuple(_on(opcodec.decode(a), t.device) for a in op.args)
+        kwargs = {k: _on(opcodec.decode(v), t.device) for k, v in op.kwargs.items()}
         if op.name in ("T", "mT", "data"):
             t = getattr(t, op.name)
         elif op.fn:
@@ -104,6 +104,15 @@ def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
         if op.out >= 0:
             t = t[op.out]
     return t
+
+
+def _on(x, device: torch.device):
+    """Constant index tensors follow the tensor they index."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_on(i, device) for i in x)
+    return x
 
 
 def dst_view(param: torch.Tensor, s: Scatter | Fill) -> torch.Tensor:

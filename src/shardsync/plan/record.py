@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import opcodec
 from ..errors import PlanError, UnsupportedLoaderOp
 from .groups import group_order, weight_group
-from ..types import DestParam, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name, dtype_of, metadata_digest
+from ..types import (DestParam, Fallback, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name,
+                     dtype_of, metadata_digest)
 
 __all__ = ["RecordingTensor", "Recorder", "record_plan", "DestinationResolver"]
 
@@ -32,7 +33,7 @@ VIEW_OPS = frozenset({
     "narrow", "view", "reshape", "transpose", "t", "T", "mT", "permute", "flatten", "unflatten",
     "squeeze", "unsqueeze", "contiguous", "chunk", "split", "tensor_split", "unbind", "select",
     "__getitem__", "expand", "movedim", "moveaxis", "swapaxes", "swapdims", "view_as", "reshape_as",
-    "expand_as", "detach", "clone", "data", "split_with_sizes",
+    "expand_as", "detach", "clone", "data", "split_with_sizes", "index_select",
 })
 # Value-preserving ops that may copy: for the strided-view fold they are the identity.
 IDENTITY_OPS = frozenset({"contiguous", "detach", "clone", "data"})
@@ -122,6 +123,14 @@ class Recorder:
         ))
 
 
+    def drop(self, src: str) -> None:
+        """Forget what was recorded for ``src`` (it takes the fallback path)."""
+        keep = [i for i, s in enumerate(self.scatters) if s.src != src]
+        self.fills = [(sum(1 for k in keep if k < pos), f) for pos, f in self.fills if f.src != src]
+        self.scatters = [self.scatters[i] for i in keep]
+        used = {s.dst for s in self.scatters} | {f.dst for _, f in self.fills}
+        self.dests = {n: d for n, d in self.dests.items() if n in used}
+
     def on_dest_write(self, func, dest: torch.Tensor, args: tuple) -> None:
         """A loader mutated a parameter by other means than copying a checkpoint slice into it."""
         hit = self.resolve(dest)
@@ -156,6 +165,26 @@ class _DestWatch(TorchDispatchMode):
                 t = args[i]
                 if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage()._cdata in self.storages:
                     self.recorder.on_dest_write(func, t, args)
+                    return t
+        return func(*args, **kwargs)
+
+
+class _WriteCollector(TorchDispatchMode):
+    """Which parameters a loader writes when given a plain meta tensor (values never computed)."""
+
+    def __init__(self, resolve: DestinationResolver, storages: set[int]):
+        super().__init__()
+        self.resolve, self.storages, self.written = resolve, storages, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and i < len(args):
+                t = args[i]
+                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage()._cdata in self.storages:
+                    hit = self.resolve(t)
+                    if hit is not None:
+                        self.written.add(hit[0])
                     return t
         return func(*args, **kwargs)
 
@@ -232,8 +261,8 @@ class RecordingTensor(torch.Tensor):
             enc_kwargs = {k: opcodec.encode(v) for k, v in kwargs.items()}
         except opcodec.NotEncodable as e:
             raise rec.error(self, name, str(e)) from None
-        if name == "__getitem__" and _has_advanced_index(args[0]):
-            raise rec.error(self, name, "advanced (list/tensor/bool) indexing copies data and is not recorded")
+        # advanced indexing / index_select with indices fixed at init (e.g. an EP rank's local experts):
+        # the indices are recorded as constants and the gather is replayed (it copies, so no view fold)
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 out = func(self._meta, *args, **kwargs)
@@ -265,11 +294,6 @@ class RecordingTensor(torch.Tensor):
                                   detail="reached the dispatcher: the op reads or computes on tensor values")
 
 
-def _has_advanced_index(idx: Any) -> bool:
-    items = idx if isinstance(idx, tuple) else (idx,)
-    return any(isinstance(i, (list, torch.Tensor)) or (isinstance(i, bool)) for i in items)
-
-
 def record_plan(
     *,
     metadata: Sequence[ParamMeta],
@@ -280,10 +304,14 @@ def record_plan(
     rank: int | None = None,
     device: torch.device | str = "cpu",
     group_of: Callable[[str], str] = weight_group,
+    allow_fallback: bool = False,
 ) -> Plan:
     """Dry-run ``load_weights`` on recording tensors and return this consumer's sealed plan.
 
-    ``params`` (or a custom ``resolve``) identifies which parameter each ``copy_`` lands in.
+    ``params`` (or a custom ``resolve``) identifies which parameter each ``copy_`` lands in. With
+    ``allow_fallback``, a checkpoint tensor whose loader computes values is not refused: it becomes a
+    :class:`~shardsync.types.Fallback` (sent whole, loaded by the real loader at sync time) and the dry
+    run goes on with the tensors after it. Without it, UnsupportedLoaderOp is raised.
     """
     if params is None:
         raise PlanError("record_plan needs the destination params (they also guard against untracked writes)")
@@ -291,16 +319,59 @@ def record_plan(
         resolve = storage_resolver(params)
     recorder = Recorder(resolve, rank=rank, device=device)
     storages = {p.untyped_storage()._cdata for p in params.values() if p.numel()}
-    with _DestWatch(recorder, storages):
-        load_weights((m.name, recorder.tensor(m)) for m in metadata)
+    by_name = {m.name: m for m in metadata}
+    fallbacks: list[Fallback] = []
+    todo = list(metadata)
+    while todo:
+        given: list[ParamMeta] = []
+
+        def weights():
+            for m in todo:
+                given.append(m)
+                yield m.name, recorder.tensor(m)
+        try:
+            with _DestWatch(recorder, storages):
+                load_weights(weights())
+            break
+        except UnsupportedLoaderOp as e:
+            if not allow_fallback or e.tensor not in by_name or any(f.src == e.tensor for f in fallbacks):
+                raise
+            recorder.drop(e.tensor)
+            fallbacks.append(_fallback(by_name[e.tensor], load_weights, resolve, storages, str(e)))
+            done = {m.name for m in given}
+            todo = [m for m in todo if m.name not in done]
     return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,
-                      dests=tuple(recorder.dests.values()), fills=recorder.fills)
+                      dests=tuple(recorder.dests.values()), fills=recorder.fills, fallbacks=fallbacks)
+
+
+def _fallback(meta: ParamMeta, load_weights: Callable, resolve: DestinationResolver, storages: set[int],
+              reason: str) -> Fallback:
+    collector = _WriteCollector(resolve, storages)
+    full = torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device="meta")
+    with collector:
+        load_weights([(meta.name, full)])
+    if not collector.written:
+        raise PlanError(f"checkpoint tensor {meta.name!r} cannot be recorded ({reason}) and its loader writes no "
+                        "parameter on a meta tensor either: no fallback is possible")
+    return Fallback(src=meta.name, dests=tuple(sorted(collector.written)), reason=reason)
 
 
 def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, consumer: str = "",
                group_of: Callable[[str], str] = weight_group, dests: tuple[DestParam, ...] = (),
-               fills: Sequence[tuple[int, Fill]] = ()) -> Plan:
-    """Group recorded scatters (and constant fills) by weight group and seal the plan (pure)."""
+               fills: Sequence[tuple[int, Fill]] = (), fallbacks: Sequence[Fallback] = ()) -> Plan:
+    """Group recorded scatters (and constant fills) by weight group and seal the plan (pure). Each
+    fallback adds one whole-tensor scatter into its scratch destination."""
+    by_meta = {m.name: m for m in metadata}
+    extra = []
+    for f in fallbacks:
+        m = by_meta[f.src]
+        shape = tuple(m.shape)
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        extra.append(Scatter(src=f.src, ops=(), view=StridedView(offset=0, shape=shape, stride=stride),
+                             src_dtype=m.dtype, dst=f.scratch, dst_byte_offset=0, dst_dtype=m.dtype, shape=shape,
+                             dst_stride=stride))
+        dests = (*dests, DestParam(name=f.scratch, dtype=m.dtype, shape=shape, stride=stride))
+    scatters = [*scatters, *extra]
     by_group: dict[str, list[Scatter]] = defaultdict(list)
     fills_by_group: dict[str, list[Fill]] = defaultdict(list)
     fill_iter = iter(fills)
@@ -322,4 +393,5 @@ def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, co
                                 fills=tuple(fills_by_group[g])))
     unneeded = tuple(m.name for m in metadata if m.name not in used)
     return Plan(consumer=consumer, meta_digest=metadata_digest(metadata), groups=tuple(groups),
-                unneeded=unneeded, dests=tuple(sorted(dests, key=lambda d: d.name))).sealed()
+                unneeded=unneeded, dests=tuple(sorted(dests, key=lambda d: d.name)),
+                fallback=tuple(fallbacks)).sealed()

@@ -20,9 +20,9 @@ import torch
 
 from ..errors import PlanError
 from .pack import GroupPacker, GroupUnpacker, layout_group
-from ..types import GroupPlan, ParamMeta, dtype_of
+from ..types import FALLBACK_PREFIX, GroupPlan, ParamMeta, dtype_of
 
-__all__ = ["random_full", "validate_group", "SENTINEL", "raw_bytes", "same_bytes", "mismatched", "fill_sentinel"]
+__all__ = ["random_full", "validate_group", "load_fallbacks", "SENTINEL", "raw_bytes", "same_bytes", "mismatched", "fill_sentinel"]
 
 SENTINEL = 0xA5
 
@@ -63,6 +63,13 @@ def fill_sentinel(t: torch.Tensor) -> None:
         t.data.fill_(-3.25 if t.dtype.is_floating_point else -3)
 
 
+def load_fallbacks(load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
+                   scratch: Mapping[str, torch.Tensor]) -> None:
+    """Hand each fallback tensor (received whole into its scratch buffer) to the engine's real loader."""
+    if scratch:
+        load_weights([(n.removeprefix(FALLBACK_PREFIX), t) for n, t in scratch.items()])
+
+
 def validate_group(*, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object],
                    params: Mapping[str, torch.Tensor], group: GroupPlan, metas: Sequence[ParamMeta],
                    rank: int | None = None, seed: int = 1234) -> int:
@@ -81,7 +88,10 @@ def validate_group(*, load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]
         layout = layout_group(group)
         buf = torch.empty(layout.nbytes, dtype=torch.uint8)
         GroupPacker(group, layout).pack({n: t.contiguous() for n, t in full.items()}, buf)
-        GroupUnpacker(group, layout).unpack(buf, params)
+        scratch = {s.dst: torch.empty(s.shape, dtype=dtype_of(s.dst_dtype)) for s in group.scatters
+                   if s.dst.startswith(FALLBACK_PREFIX)}
+        GroupUnpacker(group, layout).unpack(buf, {**params, **scratch})
+        load_fallbacks(load_weights, scratch)
     where = f" on consumer rank {rank}" if rank is not None else ""
     for n, t in params.items():
         got = raw_bytes(t)

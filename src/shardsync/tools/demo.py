@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 
+from .output import emit_json
 from ..engine.loopback import LocalConsumer, loopback_sync
 from ..plan.record import record_plan
 from ..source import ModuleSource
@@ -43,7 +44,7 @@ def run_zoo_demo(*, tp: int = 2, syncs: int = 3, layers: int = 4, as_json: bool 
         per = "  ".join(f"rank{r} {b / 1e6:.3f} MB ({b / full_bytes:.0%})" for r, b in enumerate(report.bytes_per_consumer))
         print(f"sync v{version}: {per}  {report.seconds * 1e3:.1f} ms  bit-exact: {'yes' if all(ok) else 'NO'}")
         if as_json:
-            print(json.dumps({"version": version, "bytes_per_consumer": report.bytes_per_consumer,
-                              "full_model_bytes": full_bytes, "seconds": report.seconds, "exact": all(ok)}))
+            emit_json({"version": version, "bytes_per_consumer": report.bytes_per_consumer,
+                              "full_model_bytes": full_bytes, "seconds": report.seconds, "exact": all(ok)})
     print("all syncs bit-exact" if all_ok else "MISMATCH: some consumer differs from its own loaders' result")
     return all_ok

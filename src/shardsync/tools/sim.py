@@ -48,6 +48,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from .output import emit_json
 from ..plan.groups import POST, PRE, group_order, weight_group
 from ..plan.route import chunk_layouts, route_plans
 from .sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
@@ -354,7 +355,7 @@ def run_simulate(*, config: str | None = None, preset: str | None = None, traine
         r["seed"] = p["seed"]
     print(_table(r, top))
     if as_json:
-        print(json.dumps(r))
+        emit_json(r)
     return r
 
 

@@ -17,8 +17,10 @@ ranks' ``Producer.sync(v)``.
 
 At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
 ``load_weights`` (live weights untouched), checks it against the real loaders on random data
-(``validate``), and writes it as JSON. A sync writes each received group's slices into vLLM's
-layerwise buffers and runs vLLM's per-layer processing as soon as a layer is complete.
+(``validate``), checks each layer kind's processing against a first load (``processor``), and writes
+the plan as JSON. A sync writes each received group's slices into vLLM's layerwise buffers and, as soon
+as a layer is complete, replays the layer's FIRST-LOAD processing (``fresh``), so that the engine holds
+what a fresh engine loaded from the same weights holds.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ...errors import PlanError, SyncError
 from ...types import ParamMeta, metadata_digest
-from .layerwise import LayerApplier, model_tensors, record_vllm_plan, validate_plan, vllm_context
+from .engine_state import write_inspection
+from .layerwise import LayerApplier, check_processing, record_vllm_plan, validate_plan, vllm_context
+from .processor import FreshProcessor
 
 
 @dataclass
@@ -44,11 +48,10 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     metadata: list[dict[str, Any]] = field(default_factory=list)
     """The trainer's ParamMeta list (``ParamMeta.to_dict()``), in the trainer's order."""
     plan_dir: str = ""
-    """Where each worker writes ``plan_rank{R}.json`` (and status / capture files)."""
+    """Where each worker writes ``plan_rank{R}.json`` (and its init / status files)."""
     validate: bool = True
-    """Check the recorded plan against the real loaders on random data (scratch tensors)."""
-    capture: bool = False
-    """Testing aid: save each layer's checkpoint-format tensors before processing, per update."""
+    """Check the recorded plan against the real loaders on random data, and each layer kind's processing
+    against a first load (scratch tensors). Without it every layer is processed in ``rebind`` mode."""
     consumer: str = ""
     coordinator: list[Any] | None = None
     """Pull mode: address [host, port] of producer 0's control server. Workers then learn the metadata
@@ -59,8 +62,14 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     replica: str = "r0"
     """This engine's replica id (consumers are ``{replica}/rank{R}``)."""
     timeout_s: float = 120.0
+    inspect_to: str = ""
+    """Only write what the engine holds now (every tensor, probe outputs) to
+    ``{inspect_to}/inspect_rank{R}.safetensors`` and return: no plan, engine state untouched. Used to
+    compare a synced engine with a fresh one (``verify``, the demo, the benchmark)."""
 
     def __post_init__(self) -> None:
+        if self.inspect_to:
+            return
         if not self.plan_dir:
             raise ValueError("shardsync init_info needs 'plan_dir'")
         if not self.metadata and self.coordinator is None:
@@ -74,16 +83,14 @@ class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     groups: list[Any] = field(default_factory=list)
     """[[group name, packed bytes], ...] in transfer order."""
     op: str = "sync"
-    """``sync`` (packed groups, or a pull in pull mode), ``reference`` (vLLM's own loaders on a perturbed
-    checkpoint; verify) or ``full`` (full tensors for vLLM's own loaders; the benchmark's baseline)."""
-    model_dir: str = ""
-    seed: int = 0
+    """``sync`` (packed groups, or a pull in pull mode) or ``full`` (full tensors for vLLM's own loaders;
+    the benchmark's baseline — processed by the same first-load processing)."""
 
     tensors: list[Any] = field(default_factory=list)
     """op ``full`` (the broadcast baseline): [[name, dtype, shape, bytes], ...] full tensors for vLLM's loaders."""
 
     def __post_init__(self) -> None:
-        if self.op not in ("sync", "reference", "full"):
+        if self.op not in ("sync", "full"):
             raise ValueError(f"unknown shardsync update op {self.op!r}")
 
 
@@ -109,9 +116,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.plan = None
         self.consumer = None
         self.applier: LayerApplier | None = None
+        self.processor: FreshProcessor | None = None
         self.version = 0
         self.plan_dir = ""
-        self._capture: dict[str, torch.Tensor] | None = None
         self._applied: set[str] = set()
         self._op = "sync"
         self._bytes = 0
@@ -121,6 +128,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
+        if init_info.inspect_to:  # read-only: what this engine holds now
+            os.makedirs(init_info.inspect_to, exist_ok=True)
+            write_inspection(self.model, os.path.join(init_info.inspect_to, f"inspect_rank{self.rank}.safetensors"))
+            return
         t0 = time.perf_counter()
         consumer = init_info.consumer or f"{init_info.replica}/rank{self.rank}"
         found: dict[str, Any] = {}
@@ -143,6 +154,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         else:
             self.plan = record([ParamMeta.from_dict(d) for d in init_info.metadata])
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
+        aliases, kinds = check_processing(self.model, self.vllm_config, self.plan, rank=self.rank,
+                                          validate=init_info.validate)
+        self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
+                                        modes={k: r.mode for k, r in kinds.items()})
         self.applier = LayerApplier(self.model, self.plan)
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
@@ -151,26 +166,25 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         _write_json(os.path.join(self.plan_dir, f"init_rank{self.rank}.json"), {
             "rank": self.rank, "digest": self.plan.digest, "meta_digest": metadata_digest(metas),
             "record_s": record_s, "init_s": time.perf_counter() - t0, "validated_tensors": checked,
-            "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded)})
-        if init_info.capture:
-            self._install_capture()
+            "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded),
+            "processing": {k: r.to_dict() for k, r in kinds.items()},
+            "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
 
     # ---------------------------------------------------------------- update lifecycle
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        if self.applier is None:
+        if self.applier is None or self.processor is None:
             raise SyncError(f"rank {self.rank}: start_weight_update before init_weight_transfer_engine")
         if self._started:
             raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
+        self.processor.begin()  # exact live tensor slots, and vLLM's per-layer processing -> first-load replay
         initialize_layerwise_reload(self.model)
         self._started, self._received = True, False
         self._applied.clear()
         self._bytes = 0
         self._op = "sync"
         self._t0 = time.perf_counter()
-        if self._capture is not None:
-            self._capture.clear()
 
     def update_weights(self, update_info: dict) -> None:  # the base class syncs an accelerator (absent on CPU)
         self.receive_weights(self.parse_update_info(update_info))
@@ -210,13 +224,6 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                 self._bytes = sum(len(t[3]) for t in info.tensors)
                 self.version = info.version
                 return
-            if info.op == "reference":  # vLLM's own loading of the same full tensors (verification)
-                from .checkpoints import load_checkpoint, perturb
-
-                full = perturb(load_checkpoint(info.model_dir), info.seed)
-                self.model.load_weights(list(full.items()))
-                self.version = info.version
-                return
             if self.consumer is not None:
                 raise SyncError(f"rank {self.rank}: this engine pulls from producers; packed groups were pushed")
             if info.plan_digest != self.plan.digest:
@@ -237,24 +244,21 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self.plan is None:
+        if self.plan is None or self.processor is None:
             raise SyncError(f"rank {self.rank}: finish_weight_update before init_weight_transfer_engine")
         self._started = False
         missing = [g.name for g in self.plan.groups if g.name not in self._applied] if self._op == "sync" else []
         self.inconsistent = bool(missing)
-        with vllm_context(self.vllm_config):
-            finalize_layerwise_reload(self.model, self.model_config)
+        try:
+            with vllm_context(self.vllm_config):
+                finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            self.processor.end()
         status = {"rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
                   "seconds": time.perf_counter() - self._t0, "missing_groups": missing,
-                  "inconsistent": self.inconsistent}
+                  "inconsistent": self.inconsistent, "processed_modules": len(self.processor.processed),
+                  "rebound_modules": len(self.processor.rebound)}
         _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
-        if self._capture is not None:
-            from safetensors.torch import save_file
-
-            live = {f"live:{n}": t.detach().clone().contiguous().cpu() for n, t in model_tensors(self.model).items()
-                    if t.numel() and not t.is_meta}
-            save_file({**self._capture, **live},
-                      os.path.join(self.plan_dir, f"capture_rank{self.rank}_{self._op}.safetensors"))
         if missing:
             raise SyncError(f"rank {self.rank}: sync finished without groups {missing[:5]} ({len(missing)} missing): "
                             "those layers keep their previous weights while the others have the new ones — the "
@@ -265,28 +269,5 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             self.consumer.close()
             self.consumer = None
         self.applier = None
+        self.processor = None
         self.plan = None
-
-    # ---------------------------------------------------------------- verification aid
-    def _install_capture(self) -> None:
-        """Snapshot each layer's checkpoint-format tensors right before vLLM processes it (on CPU
-        the processed linear weights live in an opaque packed handle, so bytes are compared here)."""
-        self._capture = {}
-        names = {id(m): n for n, m in self.model.named_modules()}
-        seen: set[int] = set()
-        for layer in self.model.modules():
-            qm = getattr(layer, "quant_method", None)
-            if qm is None or id(qm) in seen or not hasattr(qm, "process_weights_after_loading"):
-                continue
-            seen.add(id(qm))
-            original = qm.process_weights_after_loading
-            capture = self._capture
-
-            def hooked(lay, *a, __orig=original, **k):
-                mod = names.get(id(lay), "?")
-                for n, t in list(lay.named_parameters(recurse=False)) + list(lay.named_buffers(recurse=False)):
-                    if t.numel() and not t.is_meta:
-                        capture[f"pre:{mod}.{n}"] = t.detach().clone().contiguous().cpu()
-                return __orig(lay, *a, **k)
-
-            qm.process_weights_after_loading = hooked

@@ -8,9 +8,11 @@ checkpoint format and keeps the live ones aside. On that state:
   back untouched: live weights are never written.
 * :func:`validate_plan` checks the plan against the real loaders on random data, one weight group at a
   time, on scratch tensors (live ones are swapped out first), and names the first differing tensor.
+* :func:`check_processing` finds tied modules and checks each layer kind's processing against a first
+  load (``processor.validate_processing``).
 * :class:`LayerApplier` (each sync) materialises a layer's checkpoint-format buffers, writes the plan's
-  slices into them and hands the layer to vLLM's per-layer processing, which copies the processed
-  result into the existing kernel tensors (CUDA graphs stay valid).
+  slices into them and hands the layer to the per-layer processing — during an update window
+  ``processor.FreshProcessor``'s first-load replay — as soon as the layer is complete.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import torch
 from torch import nn
 
 from ...plan.coverage import check_coverage
-from ...errors import CoverageError, UnsupportedLoaderOp
+from ...errors import CoverageError, PlanError, UnsupportedLoaderOp
 from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
-from ...types import ParamMeta, Plan
-from ...plan.validate import validate_group
+from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
+from ...plan.validate import load_fallbacks, validate_group
+from .fresh import TensorSnapshot, fresh_state
+from .processor import find_aliases, validate_processing
 
-__all__ = ["record_vllm_plan", "validate_plan", "LayerApplier", "model_tensors", "vllm_context"]
+__all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context"]
 
 
 def _reload():
@@ -65,23 +69,58 @@ def _unwrap_loaders(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def checkpoint_format(model: nn.Module) -> Iterator[None]:
-    """Model in checkpoint format on meta tensors, original loaders; live tensors restored on exit."""
+def checkpoint_format(model: nn.Module) -> Iterator[dict[nn.Module, TensorSnapshot]]:
+    """Model in checkpoint format on meta tensors, original loaders. Yields every module's exact live
+    tensor slots; on exit each module gets exactly those back (``None`` entries included: vLLM's own
+    snapshot drops them, which deletes e.g. an int8 layer's ``weight = None`` attribute)."""
     layerwise, _, _ = _reload()
+    live = {m: TensorSnapshot.of(m) for m in model.modules()}
     layerwise.initialize_layerwise_reload(model)
     try:
         _unwrap_loaders(model)
-        yield
+        yield live
     finally:
-        for layer in model.modules():
+        for layer, snap in live.items():
+            snap.place(layer)
             info = layerwise.LAYERWISE_INFO.get(layer)
-            if info is not None and info.kernel_tensors is not None:
-                layerwise._place_kernel_tensors(layer, info)
+            if info is not None:
                 info.reset()
         if hasattr(model, "_original_do_torchao_reload"):
             model._do_torchao_reload = model._original_do_torchao_reload
         _unwrap_loaders(model)
         layerwise.LOADING_LAYERS.clear()
+
+
+def written_modules(plan: Plan) -> list[str]:
+    return sorted({m for g in plan.groups for m in group_modules(plan, g)})
+
+
+def group_modules(plan: Plan, g) -> set[str]:
+    """Modules a group writes: its scatters' and fills' destinations; a fallback's scratch stands for
+    the parameters its real loader writes."""
+    fb = {f.scratch: f.dests for f in plan.fallback}
+    out: set[str] = set()
+    for d in {*(s.dst for s in g.scatters), *(f.dst for f in g.fills)}:
+        out.update(_module_of(x)[0] for x in fb.get(d, (d,)))
+    return out
+
+
+def check_processing(model: nn.Module, vllm_config, plan: Plan, *, rank: int,
+                     validate: bool = True) -> tuple[dict, dict]:
+    """Tied modules and, per layer kind, the processing mode (see processor.validate_processing).
+    Returns ``(aliases, {kind: KindReport})``; without ``validate`` no kind is checked (all rebind)."""
+    written = written_modules(plan)
+    try:
+        for name in written:
+            fresh_state(model.get_submodule(name), name)  # the first-load state must be known
+        aliases = find_aliases(model, written)
+    except PlanError as e:
+        raise PlanError(f"rank {rank}: {e}") from None
+    if not validate:
+        return aliases, {}
+    with vllm_context(vllm_config), checkpoint_format(model) as live:
+        reports = validate_processing(model, [*written, *aliases], live, dtype=vllm_config.model_config.dtype)
+    return aliases, reports
 
 
 def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], *, rank: int,
@@ -90,7 +129,7 @@ def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta
     with vllm_context(vllm_config), checkpoint_format(model):
         tensors = model_tensors(model)
         plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
-                           consumer=consumer, rank=rank, device=_device_of(model))
+                           consumer=consumer, rank=rank, device=_device_of(model), allow_fallback=True)
         _require_coverage(plan, tensors, rank)
     _refuse_deferred_attention(model, plan, rank)
     return plan
@@ -99,8 +138,10 @@ def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta
 def _require_coverage(plan: Plan, tensors: dict, rank: int) -> None:
     """Every tensor a sync materialises (the checkpoint-format tensors of each module the plan writes)
     must be written in full by the plan: anything else would be processed from uninitialised memory."""
-    mods = {_module_of(d.name)[0] for d in plan.dests}
-    fresh = {n: t for n, t in tensors.items() if _module_of(n)[0] in mods and t.is_meta and t.numel()}
+    mods = set(written_modules(plan))
+    by_loader = {d for f in plan.fallback for d in f.dests}  # written whole by the real loader at sync time
+    fresh = {n: t for n, t in tensors.items() if _module_of(n)[0] in mods and t.is_meta and t.numel()
+             and n not in by_loader}
     report = check_coverage(plan, fresh)
     try:
         report.raise_if_incomplete()
@@ -123,11 +164,13 @@ def _module_of(name: str) -> tuple[str, str]:
 def _refuse_deferred_attention(model: nn.Module, plan: Plan, rank: int) -> None:
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
-    for d in plan.dests:
-        mod, _ = _module_of(d.name)
+    writes = [(d.name, d.name) for d in plan.dests if not d.name.startswith(FALLBACK_PREFIX)]
+    writes += [(x, f.scratch) for f in plan.fallback for x in f.dests]
+    for dest, dst in writes:
+        mod, _ = _module_of(dest)
         if is_deferred_attention_layer(model.get_submodule(mod)):
-            src = next((s.src for g in plan.groups for s in (*g.scatters, *g.fills) if s.dst == d.name), d.name)
-            raise UnsupportedLoaderOp(tensor=src, op=f"copy_ into attention-layer tensor {d.name!r}", chain="",
+            src = next((s.src for g in plan.groups for s in (*g.scatters, *g.fills) if s.dst == dst), dst)
+            raise UnsupportedLoaderOp(tensor=src, op=f"copy_ into attention-layer tensor {dest!r}", chain="",
                                       rank=rank, detail="vLLM reprocesses attention layers only at finalize by "
                                                         "re-running their loaders; not replayable")
 
@@ -145,7 +188,7 @@ def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], 
     compared = 0
     with vllm_context(vllm_config), checkpoint_format(model):
         for g in plan.groups:
-            mods = sorted({_module_of(d)[0] for d in {*(s.dst for s in g.scatters), *(f.dst for f in g.fills)}})
+            mods = sorted(group_modules(plan, g))
             layers = [model.get_submodule(m) for m in mods]
             swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
             for layer in layers:
@@ -183,14 +226,16 @@ class LayerApplier:
         self.model, self.plan = model, plan
         last: dict[str, str] = {}
         for g in plan.groups:
-            for name in {*(s.dst for s in g.scatters), *(f.dst for f in g.fills)}:
-                last[_module_of(name)[0]] = g.name
+            for mod in group_modules(plan, g):
+                last[mod] = g.name
         self.finishing: dict[str, list[str]] = defaultdict(list)
         for mod, gname in last.items():
             self.finishing[gname].append(mod)
-        self.group_mods = {g.name: sorted({_module_of(d)[0] for d in {*(s.dst for s in g.scatters),
-                                                                        *(f.dst for f in g.fills)}})
-                           for g in plan.groups}
+        self.group_mods = {g.name: sorted(group_modules(plan, g)) for g in plan.groups}
+        # fallback tensors land whole in scratch buffers (allocated once) and go through the real loader
+        dev = _device_of(model)
+        self.scratch = {g.name: {s.dst: torch.empty(s.shape, dtype=dtype_of(s.dst_dtype), device=dev)
+                                 for s in g.scatters if s.dst.startswith(FALLBACK_PREFIX)} for g in plan.groups}
         self.layouts = {g.name: layout_group(g) for g in plan.groups}
         self.unpackers = {g.name: GroupUnpacker(g, self.layouts[g.name]) for g in plan.groups}
 
@@ -205,7 +250,9 @@ class LayerApplier:
             layer = self.model.get_submodule(m)
             for n, t in list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False)):
                 tensors[f"{m}.{n}" if m else n] = t
-        self.unpackers[group].unpack(buf, tensors)
+        scratch = self.scratch[group]
+        self.unpackers[group].unpack(buf, {**tensors, **scratch})
+        load_fallbacks(self.model.load_weights, scratch)
         for m in self.finishing.get(group, ()):
             layer = self.model.get_submodule(m)
             info = layerwise.LAYERWISE_INFO[layer]

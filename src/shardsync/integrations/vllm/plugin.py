@@ -1,6 +1,5 @@
-"""vLLM general plugin: registers the ``shardsync`` weight-transfer backend (once per process).
-
-Note that the plugin does not import torch-heavy modules until vLLM instantiates the backend."""
+"""vLLM general plugin: registers the ``shardsync`` weight-transfer backend (once per process) and
+records each module's first-load state when vLLM builds a model (``fresh.install_snapshot_hook``)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,9 @@ def register() -> None:
         from .testing_models import register as register_test_models
 
         register_test_models()
+    from .fresh import install_snapshot_hook
+
+    install_snapshot_hook()  # every process that may build a model: record each module's first-load state
     if BACKEND in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
         return
     WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")

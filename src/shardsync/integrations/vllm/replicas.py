@@ -3,7 +3,7 @@
     reps = VllmReplicas(model_dir, replicas=2, tp=2, coordinator=cluster.coordinator, token=cluster.token)
     reps.init()                      # every worker records + validates its plan, registers, connects
     reps.sync(version)               # start -> update (workers pull) -> finish, on all replicas at once
-    exact, mismatched = reps.check_against_reference(version)   # vLLM's own loading, byte for byte
+    exact, mismatched, n = reps.check_against_fresh(state)   # vs a FRESH engine on the same weights
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from .verify import _compare, cpu_env, engine_kwargs
+from .reference import compare_with, cpu_env, engine_kwargs, fresh_reference, generate, inspect_engine
 
 
 def _parallel(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -38,14 +38,14 @@ def _parallel(fns: list[Callable[[], Any]]) -> list[Any]:
 
 class VllmReplicas:
     def __init__(self, model_dir: str, *, replicas: int, tp: int, coordinator: list[Any], token: str,
-                 transport: str = "tcp", timeout_s: float = 120.0, capture: bool = True, validate: bool = True):
+                 transport: str = "tcp", timeout_s: float = 120.0, validate: bool = True):
         cpu_env(tp)
         from vllm import LLM
 
-        self.model_dir, self.tp, self.capture = os.path.abspath(model_dir), tp, capture
+        self.model_dir, self.tp = os.path.abspath(model_dir), tp
         self.dirs = [tempfile.mkdtemp(prefix=f"shardsync-r{i}-") for i in range(replicas)]
         self.init_info = [{"plan_dir": d, "coordinator": coordinator, "token": token, "transport": transport,
-                           "replica": f"r{i}", "timeout_s": timeout_s, "capture": capture, "validate": validate}
+                           "replica": f"r{i}", "timeout_s": timeout_s, "validate": validate}
                           for i, d in enumerate(self.dirs)]
         self.llms = [LLM(**engine_kwargs(model_dir, tp, False)) for _ in range(replicas)]
 
@@ -65,19 +65,27 @@ class VllmReplicas:
 
         return [json.load(open(os.path.join(d, f"status_rank{r}.json"))) for d in self.dirs for r in range(self.tp)]
 
-    def check_against_reference(self, version: int, *, op: str = "sync") -> tuple[bool, list[str], int]:
-        """Load the same weights through vLLM's own loaders and compare every tensor captured by the last
-        update of kind ``op`` (``sync``, or ``full`` for the baseline)."""
-        self.sync(version, {"op": "reference", "model_dir": self.model_dir, "seed": version, "version": version})
-        bad: list[str] = []
-        total = 0
-        for i, d in enumerate(self.dirs):
-            for r in range(self.tp):
-                n, mism = _compare(os.path.join(d, f"capture_rank{r}_{op}.safetensors"),
-                                   os.path.join(d, f"capture_rank{r}_reference.safetensors"))
+    def check_against_fresh(self, state: dict, *, tag: str = "") -> tuple[bool, list[str], int]:
+        """Compare every replica with a FRESH engine started on ``state`` (the trainer's weights of the
+        version just synced): every tensor after processing, probe outputs, greedy tokens."""
+        import shutil
+
+        out = tempfile.mkdtemp(prefix=f"shardsync-fresh{tag}-")
+        try:
+            synced = _parallel([lambda i=i, llm=llm: (inspect_engine(llm, os.path.join(out, f"r{i}"), self.tp),
+                                                      generate(llm)) for i, llm in enumerate(self.llms)])
+            ref = fresh_reference(self.model_dir, state, tp=self.tp, ep=False, out_dir=out)
+            bad: list[str] = []
+            total = 0
+            for i, (paths, tokens) in enumerate(synced):
+                n, mism = compare_with(paths, ref.paths)
                 total += n
-                bad += [f"r{i}/rank{r}:{x}" for x in mism]
-        return not bad and total > 0, bad, total
+                bad += [f"r{i}/{x}" for x in mism]
+                if tokens != ref.tokens:
+                    bad.append(f"r{i}: greedy tokens {tokens} != fresh engine's {ref.tokens}")
+            return not bad and total > 0, bad, total
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
 
     def close(self) -> None:
         for llm in self.llms:

@@ -2,7 +2,7 @@
 
 ``ShardsyncScaledNormQwen3ForCausalLM`` is Qwen3 whose loader scales the final norm weight
 (``w * 2``): arithmetic on a checkpoint tensor, which no trainer-side view can replay, so
-``init_weight_transfer_engine`` must fail with UnsupportedLoaderOp naming ``model.norm.weight``.
+``model.norm.weight`` takes the fallback path (sent whole, loaded by the real loader at sync time).
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""What an engine holds, for a byte comparison with a FRESH engine loaded from the same weights.
+
+Every parameter and buffer of every module (by dotted name, after processing — e.g. CPU-prepacked MoE
+experts) and, where CPU vLLM keeps weights in opaque packed handles (linear layers, LM heads), the
+outputs of each such layer's kernel on a fixed probe input.
+
+    tensors = inspect_model(model)                  # {"t:<name>": tensor, "p:<module>#<i>": probe output}
+    n, bad = compare_files(a_path, b_path)          # keys compared, keys that differ (or exist on one side)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...plan.validate import same_bytes
+from .fresh import probe
+
+__all__ = ["inspect_model", "compare", "compare_files", "write_inspection"]
+
+
+def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    with torch.no_grad():
+        for mname, mod in model.named_modules():
+            for n, t in [*mod._parameters.items(), *mod._buffers.items()]:
+                if t is None or t.is_meta or not t.numel():
+                    continue
+                key = f"t:{mname}.{n}" if mname else f"t:{n}"
+                out[key] = t.detach().contiguous().cpu().clone()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            try:
+                ys = probe(mod)
+            except Exception as e:  # a kernel that cannot run on a probe: its tensors are still compared
+                out[f"e:{mname}"] = torch.tensor(list(f"{type(e).__name__}".encode()), dtype=torch.uint8)
+                continue
+            for i, y in enumerate(ys or ()):
+                out[f"p:{mname}#{i}"] = y.detach().contiguous().cpu().clone()
+    return out
+
+
+def write_inspection(model: nn.Module, path: str) -> int:
+    from safetensors.torch import save_file
+
+    tensors = inspect_model(model)
+    save_file(tensors, path)
+    return len(tensors)
+
+
+def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
+    bad = sorted(f"{k} (only in {'synced' if k in a else 'fresh'})" for k in a.keys() ^ b.keys())
+    bad += [k for k in sorted(a.keys() & b.keys()) if not same_bytes(a[k], b[k])]
+    return len(a.keys() | b.keys()), bad
+
+
+def compare_files(a_path: str, b_path: str) -> tuple[int, list[str]]:
+    from safetensors.torch import load_file
+
+    return compare(load_file(a_path), load_file(b_path))

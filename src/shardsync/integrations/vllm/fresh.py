@@ -1,0 +1,236 @@
+"""First-load processing for synced layers: after a sync the engine holds what a FRESH engine holds.
+
+vLLM's in-place reload re-runs a layer's ``process_weights_after_loading`` on a quant method that is
+already in its post-load state, and the result is not always what a first load gives (on CPU vLLM
+0.32: fused MoE takes its "weight update" branch and skips the expert prepack; a tied ``lm_head``
+keeps a packed copy of the old embedding; int8 layers process under float32 — see
+``docs/vllm-notes.md``). shardsync replays the *first-load* processing instead:
+
+* :func:`install_snapshot_hook` (run by the plugin in every worker, before the model is built) wraps
+  vLLM's ``record_metadata_for_reloading`` — called right after the model is constructed, before any
+  weight is loaded — and records each module's *fresh state*: its non-tensor attributes and its quant
+  method's attributes, before the first processing ever ran.
+* :func:`process_fresh` runs a layer's processing from that fresh state on the checkpoint-format
+  tensors the sync wrote, under the model's dtype (as the first load does), then either copies the
+  result into the live (kernel) tensors and keeps the live state (``inplace``: storage addresses kept,
+  CUDA-graph safe) or makes the freshly processed tensors and state the live ones (``rebind``).
+  Which mode a layer kind may use is decided at init by :func:`validate_processing`, which also reports
+  the layer kinds where vLLM's own reload differs from a first load.
+
+    install_snapshot_hook()                                  # plugin, once per process
+    snap = TensorSnapshot.of(layer)                          # exact live tensors, None entries included
+    process_fresh(layer, kernel=snap, mode="inplace", dtype=torch.bfloat16)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+
+from ...errors import PlanError, SyncError
+
+__all__ = ["install_snapshot_hook", "FreshState", "TensorSnapshot", "fresh_state", "process_fresh", "probe",
+           "run_processing", "set_state", "capture_state", "default_dtype"]
+
+_TORCH_INTERNAL = frozenset(nn.Module().__dict__)
+_FRESH: "WeakKeyDictionary[nn.Module, FreshState]" = WeakKeyDictionary()
+
+
+def _copy1(v: Any) -> Any:
+    """One level of copying for builtin containers (a processing step may mutate them in place)."""
+    if type(v) in (dict, list, set):
+        return type(v)(v)
+    return v
+
+
+@dataclass
+class FreshState:
+    """A module's non-tensor state: its own attributes and its quant method's attributes."""
+
+    attrs: dict[str, Any]
+    qm: dict[str, Any] | None
+
+
+def capture_state(module: nn.Module) -> FreshState:
+    attrs = {k: _copy1(v) for k, v in module.__dict__.items() if k not in _TORCH_INTERNAL}
+    qm = getattr(module, "quant_method", None)
+    qd = {k: _copy1(v) for k, v in vars(qm).items()} if qm is not None and hasattr(qm, "__dict__") else None
+    return FreshState(attrs=attrs, qm=qd)
+
+
+def set_state(module: nn.Module, state: FreshState) -> None:
+    """Make the module's non-tensor state exactly ``state`` (attributes added since are removed)."""
+    for k in [k for k in module.__dict__ if k not in _TORCH_INTERNAL and k not in state.attrs]:
+        del module.__dict__[k]
+    for k, v in state.attrs.items():
+        module.__dict__[k] = _copy1(v)
+    qm = getattr(module, "quant_method", None)
+    if state.qm is not None and qm is not None:
+        qm.__dict__.clear()
+        qm.__dict__.update({k: _copy1(v) for k, v in state.qm.items()})
+
+
+def install_snapshot_hook() -> None:
+    """Record every module's fresh state when vLLM builds a model (guarded against double install)."""
+    from vllm.model_executor.model_loader import utils
+
+    original = utils.record_metadata_for_reloading
+    if getattr(original, "_shardsync", False):
+        return
+
+    def record_metadata_for_reloading(model: nn.Module) -> None:
+        original(model)
+        for m in model.modules():
+            _FRESH[m] = capture_state(m)
+
+    record_metadata_for_reloading._shardsync = True  # type: ignore[attr-defined]
+    utils.record_metadata_for_reloading = record_metadata_for_reloading
+
+
+def fresh_state(module: nn.Module, name: str = "") -> FreshState:
+    st = _FRESH.get(module)
+    if st is None:
+        raise PlanError(f"no first-load state recorded for module {name or type(module).__name__!r}: the shardsync "
+                        "vLLM plugin must be loaded before the model is built (check VLLM_PLUGINS)")
+    return st
+
+
+@dataclass
+class TensorSnapshot:
+    """A module's exact tensor slots: parameters and buffers as registered, ``None`` entries included."""
+
+    params: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor | None]
+    non_persistent: set[str]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "TensorSnapshot":
+        return cls(dict(module._parameters), dict(module._buffers), set(module._non_persistent_buffers_set))
+
+    def place(self, module: nn.Module) -> None:
+        module._parameters.clear()
+        module._parameters.update(self.params)
+        module._buffers.clear()
+        module._buffers.update(self.buffers)
+        module._non_persistent_buffers_set.clear()
+        module._non_persistent_buffers_set.update(self.non_persistent)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: t for n, t in {**self.params, **self.buffers}.items() if t is not None}
+
+    def scratch(self) -> "TensorSnapshot":
+        """Clones (same class and attributes) — for validation, which must never write live storage."""
+        def clone(t):
+            if t is None:
+                return None
+            c = t.detach().clone()
+            if isinstance(t, nn.Parameter):
+                c = nn.Parameter(c, requires_grad=False)
+            c.__class__ = t.__class__
+            c.__dict__.update(t.__dict__)
+            return c
+        return TensorSnapshot({k: clone(v) for k, v in self.params.items()},
+                              {k: clone(v) for k, v in self.buffers.items()}, set(self.non_persistent))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def run_processing(layer: nn.Module) -> None:
+    """What vLLM's model loader runs on a layer after loading (the layer's quant method's processing)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    qm = getattr(layer, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase):
+        qm.process_weights_after_loading(layer)
+        if hasattr(layer, "update_param_tp_status"):
+            layer.update_param_tp_status()
+
+
+def process_fresh(layer: nn.Module, *, kernel: TensorSnapshot, mode: str, dtype: torch.dtype,
+                  name: str = "", keep: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    """Process ``layer`` (holding checkpoint-format tensors) exactly as a first load would.
+
+    ``inplace``: copy the processed tensors into ``kernel``'s storage, register ``kernel``'s tensors and
+    keep the live non-tensor state. ``rebind``: the processed tensors and the state processing built
+    become the live ones. ``keep``: ``{name: (input, partner)}`` — where processing left ``input`` in
+    place, ``partner`` is registered instead (a tied partner's live tensor stays shared)."""
+    live = capture_state(layer)
+    set_state(layer, fresh_state(layer, name))
+    try:
+        with default_dtype(dtype), torch.no_grad():
+            run_processing(layer)
+    except BaseException:
+        set_state(layer, live)
+        raise
+    done = TensorSnapshot.of(layer)
+    if keep:
+        for d in (done.params, done.buffers):
+            for n, t in d.items():
+                if n in keep and t is keep[n][0]:
+                    d[n] = keep[n][1]
+    if mode == "rebind":
+        done.place(layer)
+        return
+    for d_new, d_old, kind in ((done.params, kernel.params, "parameter"), (done.buffers, kernel.buffers, "buffer")):
+        if set(d_new) != set(d_old):
+            set_state(layer, live)
+            kernel.place(layer)
+            raise SyncError(f"layer {name!r}: first-load processing produced {kind}s {sorted(d_new)}, the live layer "
+                            f"has {sorted(d_old)}")
+        for n, new in d_new.items():
+            old = d_old[n]
+            if (new is None) != (old is None) or (new is not None and (new.shape != old.shape or new.dtype != old.dtype)):
+                set_state(layer, live)
+                kernel.place(layer)
+                raise SyncError(f"layer {name!r}: processed {kind} {n!r} is "
+                                f"{None if new is None else (tuple(new.shape), new.dtype)}, the live one "
+                                f"{None if old is None else (tuple(old.shape), old.dtype)}: cannot copy in place")
+            if new is not None and new is not old:
+                old.data.copy_(new.data)
+    kernel.place(layer)
+    set_state(layer, live)
+
+
+def probe(layer: nn.Module, *, seed: int = 7) -> list[torch.Tensor] | None:
+    """Outputs of the layer's kernels on fixed inputs, where the layer kind has a plain entry point
+    (linear layers: ``quant_method.apply``; embeddings: lookup and, for LM heads, ``apply``). ``None``
+    when the kind has none: its tensors are then compared alone."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    qm = getattr(layer, "quant_method", None)
+    if qm is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(layer, "params_dtype", None) or torch.get_default_dtype()
+    dev = next((t.device for t in layer.parameters(recurse=False) if not t.is_meta), torch.device("cpu"))
+    with torch.no_grad():
+        if isinstance(layer, LinearBase):
+            k = getattr(layer, "input_size_per_partition", None) or getattr(layer, "input_size", None)
+            if not k:
+                return None
+            x = torch.randn(3, k, generator=g).to(dtype=dtype, device=dev)
+            out = qm.apply(layer, x)
+            return [out[0] if isinstance(out, tuple) else out]
+        if isinstance(layer, VocabParallelEmbedding):
+            ids = torch.randint(0, layer.num_embeddings_per_partition, (5,), generator=g).to(dev)
+            outs = [qm.embedding(layer, ids)]
+            x = torch.randn(3, layer.embedding_dim, generator=g).to(dtype=dtype, device=dev)
+            outs.append(qm.apply(layer, x))
+            return outs
+    return None

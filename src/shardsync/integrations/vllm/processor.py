@@ -1,0 +1,287 @@
+"""Per-layer processing during a sync, and its init-time validation.
+
+:class:`FreshProcessor` owns one update window (``begin`` … ``end``). While it is open, vLLM's
+``_layerwise_process`` — called by vLLM's own wrapped loaders and by :class:`LayerApplier` alike — is
+replaced by :meth:`FreshProcessor.process`, which replays the first-load processing of
+:mod:`.fresh`. Modules that share a written tensor without being written themselves (a tied
+``lm_head``) are re-processed right after their partner. ``end`` puts every module's exact tensor slots
+back (``None`` entries included) except those that were rebound.
+
+:func:`validate_processing` runs at init, once per layer kind (module class + quant method class), on
+random checkpoint-format data on scratch tensors: vLLM's reload path, the first-load replay with the
+result copied into the live storage (``inplace``), and the first-load replay rebound (``rebind``, the
+reference). ``inplace`` is chosen where its probe outputs and tensors equal the reference; the report
+names the kinds where vLLM's own reload differs from a first load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from ...errors import PlanError, SyncError
+from .fresh import TensorSnapshot, capture_state, probe, process_fresh, set_state
+
+__all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "validate_processing"]
+
+
+def kind_of(layer: nn.Module) -> str:
+    qm = getattr(layer, "quant_method", None)
+    return f"{type(layer).__name__}/{type(qm).__name__}" if qm is not None else type(layer).__name__
+
+
+def _reload():
+    from vllm.model_executor.model_loader.reload import layerwise, meta
+
+    return layerwise, meta
+
+
+def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str, tuple[str, str]]]:
+    """Modules the plan does not write whose tensors are (share storage with) tensors of written modules:
+    ``{module: {tensor: (partner module, partner tensor)}}``. Such a module is re-processed after its
+    partner; one that also has tensors of its own (which no sync writes) cannot be, and is refused."""
+    _, meta = _reload()
+    owner: dict[tuple[int, int], tuple[str, str]] = {}
+    written_set = set(written)
+    for name in written:
+        for n, t in TensorSnapshot.of(model.get_submodule(name)).tensors().items():
+            if t.numel() and not t.is_meta:
+                owner.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), (name, n))
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for name, mod in model.named_modules():
+        if name in written_set:
+            continue
+        own = {n: t for n, t in TensorSnapshot.of(mod).tensors().items() if n not in meta.SKIP_TENSORS}
+        hits = {n: owner[k] for n, t in own.items() if t.numel() and not t.is_meta
+                and (k := (t.untyped_storage().data_ptr(), t.storage_offset())) in owner}
+        if not hits:
+            continue
+        rest = sorted(set(own) - set(hits))
+        if rest:
+            raise PlanError(f"module {name!r} shares {sorted(hits)} with {sorted({p for p, _ in hits.values()})} but "
+                            f"also has tensors {rest} that no sync writes: it cannot be re-processed with its partner")
+        out[name] = hits
+    return out
+
+
+class FreshProcessor:
+    """First-load processing for every layer completed during one update window."""
+
+    def __init__(self, model: nn.Module, *, dtype: torch.dtype, modes: dict[str, str],
+                 aliases: dict[str, dict[str, tuple[str, str]]]):
+        self.model, self.dtype, self.modes, self.aliases = model, dtype, modes, aliases
+        self.names = {m: n for n, m in model.named_modules()}
+        order = {n: i for i, n in enumerate(self.names.values())}
+        self.derived: dict[str, list[str]] = {}
+        self.before_partner: set[str] = set()  # derived modules that come before a partner: processed on its input
+        for m, hits in aliases.items():
+            for partner, _ in hits.values():
+                self.derived.setdefault(partner, []).append(m)
+                if order[m] < order[partner]:
+                    self.before_partner.add(m)
+        self.live: dict[nn.Module, TensorSnapshot] = {}
+        self.rebound: set[nn.Module] = set()
+        self.done: set[str] = set()
+        self.processed: list[str] = []
+        self._inputs: dict[tuple[str, str], torch.Tensor] = {}
+        self._saved = None
+
+    def begin(self) -> None:
+        """Before vLLM's ``initialize_layerwise_reload``: snapshot every module's exact tensor slots."""
+        layerwise, _ = _reload()
+        self.live = {m: TensorSnapshot.of(m) for m in self.model.modules()}
+        self.rebound.clear()
+        self.done.clear()
+        self.processed = []
+        self._inputs.clear()
+        self._saved = layerwise._layerwise_process
+        layerwise._layerwise_process = self.process
+
+    def end(self) -> None:
+        """After vLLM's ``finalize_layerwise_reload``."""
+        layerwise, _ = _reload()
+        if self._saved is not None:
+            layerwise._layerwise_process = self._saved
+            self._saved = None
+        for m, snap in self.live.items():
+            if m not in self.rebound:
+                snap.place(m)
+        self._inputs.clear()
+
+    def process(self, layer: nn.Module, info: Any) -> None:
+        """Replacement for vLLM's ``_layerwise_process(layer, info)``."""
+        layerwise, meta = _reload()
+        meta.materialize_layer(layer, info)
+        for t in TensorSnapshot.of(layer).tensors().values():
+            if hasattr(t, "weight_loader"):
+                t.weight_loader = layerwise._get_original_loader(t)
+        for n, args in info.loaded_weights:  # what vLLM's wrapped loaders buffered
+            param = getattr(layer, n)
+            args.arguments["param"] = param
+            param.weight_loader(*args.args, **args.kwargs)
+        name = self.names[layer]
+        self._process(layer, info, name)
+        for m in self.derived.get(name, ()):
+            if all(p in self.done for p, _ in self.aliases[m].values()) and m not in self.done:
+                self._derive(m)
+
+    def _process(self, layer: nn.Module, info: Any, name: str, keep: dict | None = None) -> None:
+        if name in self.derived and any(m in self.before_partner for m in self.derived[name]):
+            for n, t in TensorSnapshot.of(layer).tensors().items():
+                self._inputs[(name, n)] = t.detach().clone()
+        mode = self.modes.get(kind_of(layer), "rebind")
+        if layer not in self.live:
+            raise SyncError(f"layer {name!r} completed outside an update window")
+        process_fresh(layer, kernel=self.live[layer], mode=mode, dtype=self.dtype, name=name, keep=keep)
+        if mode == "rebind":
+            self.rebound.add(layer)
+        info.reset()
+        self.done.add(name)
+        self.processed.append(name)
+
+    def _derive(self, name: str) -> None:
+        layerwise, meta = _reload()
+        layer = self.model.get_submodule(name)
+        info = layerwise.LAYERWISE_INFO[layer]
+        meta.materialize_layer(layer, info)
+        keep = {}
+        for n, (pname, pn) in self.aliases[name].items():
+            partner = getattr(self.model.get_submodule(pname), pn)
+            src = self._inputs.get((pname, pn)) if name in self.before_partner else partner
+            dst = getattr(layer, n)
+            if src is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                raise SyncError(f"module {name!r}: tensor {n!r} {tuple(dst.shape)} {dst.dtype} cannot take its tied "
+                                f"partner {pname}.{pn} ({None if src is None else (tuple(src.shape), src.dtype)})")
+            dst.data.copy_(src)
+            keep[n] = (dst, partner)
+        self._process(layer, info, name, keep=keep)
+
+
+@dataclass
+class KindReport:
+    kind: str
+    module: str
+    """The module the kind was checked on."""
+    mode: str
+    """``inplace`` (copied into live storage; CUDA-graph safe) or ``rebind``."""
+    vllm_reload_differs: bool
+    """vLLM's own reload of the same data gives other tensors or outputs than a first load."""
+    probed: bool
+    """Kernel outputs on a probe input were compared (else tensors alone)."""
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _fill_random(layer: nn.Module, g: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, t in TensorSnapshot.of(layer).tensors().items():
+        if t.is_meta or not t.numel():
+            continue
+        if t.dtype.is_floating_point:
+            r = torch.rand(t.shape, generator=g) * 0.01 + 0.005 if "scale" in n else torch.randn(t.shape, generator=g) * 0.05
+        elif t.dtype == torch.bool:
+            r = torch.zeros(t.shape, dtype=torch.bool)
+        elif t.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+            lo, hi = (0, 100) if t.dtype == torch.uint8 else (-100, 100)
+            r = torch.randint(lo, hi, t.shape, generator=g)
+        else:
+            continue
+        t.data.copy_(r.to(t.dtype))
+        out[n] = t.detach().clone()
+    return out
+
+
+def _probe(layer: nn.Module) -> list[torch.Tensor] | None:
+    try:
+        return probe(layer)
+    except Exception:  # no runnable probe on this kind: tensors alone are compared
+        return None
+
+
+def _same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
+    from ...plan.validate import same_bytes
+
+    if a is None or b is None:
+        return a is b
+    return len(a) == len(b) and all(same_bytes(x, y) for x, y in zip(a, b))
+
+
+def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in TensorSnapshot.of(layer).tensors().items() if not t.is_meta}
+
+
+def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.Module, TensorSnapshot], *,
+                        dtype: torch.dtype, seed: int = 4321) -> dict[str, KindReport]:
+    """One check per layer kind among ``modules`` (which must be in checkpoint format on meta, inside
+    the dry-run context); live storage is never written."""
+    layerwise, meta = _reload()
+    reps: dict[str, str] = {}
+    for name in modules:
+        layer = model.get_submodule(name)
+        if getattr(layer, "quant_method", None) is not None:
+            reps.setdefault(kind_of(layer), name)
+    out: dict[str, KindReport] = {}
+    for kind, name in reps.items():
+        layer = model.get_submodule(name)
+        info = layerwise.LAYERWISE_INFO[layer]
+        on_meta = TensorSnapshot.of(layer)
+        saved = (info.kernel_tensors, info.kernel_non_persistent_buffers, info.load_numel, info.load_numel_total,
+                 list(info.loaded_weights))
+        state = capture_state(layer)
+        g = torch.Generator().manual_seed(seed)
+
+        def load(inputs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+            on_meta.place(layer)
+            meta.materialize_layer(layer, info)
+            if inputs is None:
+                return _fill_random(layer, g)
+            for n, t in inputs.items():
+                getattr(layer, n).data.copy_(t)
+            return inputs
+
+        try:
+            inputs = load()
+            ref = live[layer].scratch()
+            process_fresh(layer, kernel=ref, mode="rebind", dtype=dtype, name=name)
+            t_ref, y_ref = _tensors(layer), _probe(layer)
+            set_state(layer, state)
+
+            load(inputs)
+            inplace_ok, detail = True, ""
+            try:
+                process_fresh(layer, kernel=live[layer].scratch(), mode="inplace", dtype=dtype, name=name)
+                t_in, y_in = _tensors(layer), _probe(layer)
+                inplace_ok = _same(list(t_in.values()), [t_ref.get(n) for n in t_in]) and _same(y_in, y_ref) \
+                    and set(t_in) == set(t_ref)
+                if not inplace_ok:
+                    detail = "live state after an in-place copy does not compute what a first load computes"
+            except SyncError as e:
+                inplace_ok, detail = False, str(e)
+            set_state(layer, state)
+
+            load(inputs)
+            scratch = live[layer].scratch()
+            info.kernel_tensors = ({k: v for k, v in scratch.params.items() if v is not None},
+                                   {k: v for k, v in scratch.buffers.items() if v is not None})
+            info.kernel_non_persistent_buffers = set(scratch.non_persistent)
+            info.loaded_weights, info.load_numel_total = [], 1
+            try:
+                layerwise._layerwise_process(layer, info)
+                t_v, y_v = _tensors(layer), _probe(layer)
+                differs = not (set(t_v) == set(t_ref) and _same(list(t_v.values()), [t_ref[n] for n in t_v])
+                               and _same(y_v, y_ref))
+            except Exception as e:  # vLLM's reload path fails outright on this kind
+                differs, detail = True, (detail + "; " if detail else "") + f"vLLM reload fails: {type(e).__name__}: {e}"
+            out[kind] = KindReport(kind=kind, module=name, mode="inplace" if inplace_ok else "rebind",
+                                   vllm_reload_differs=differs, probed=y_ref is not None, detail=detail)
+        finally:
+            set_state(layer, state)
+            on_meta.place(layer)
+            (info.kernel_tensors, info.kernel_non_persistent_buffers, info.load_numel, info.load_numel_total,
+             info.loaded_weights) = saved
+    return out
