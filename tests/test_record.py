@@ -229,3 +229,37 @@ def test_constant_index_gathers_are_recorded_and_replayed(how: str) -> None:
     assert torch.equal(replay(s, full), full[[1, 4, 5]].transpose(-1, -2))
     again = type(plan).from_json(plan.to_json())  # the constants survive the wire format
     assert torch.equal(replay(again.groups[0].scatters[0], full), full[[1, 4, 5]].transpose(-1, -2))
+
+
+def test_unrecordable_tensor_takes_the_fallback_path_and_validates() -> None:
+    """With allow_fallback, a tensor whose loader computes values becomes a Fallback (sent whole,
+    loaded by the real loader at sync time); the dry run goes on with the tensors after it."""
+    from shardsync.plan.validate import validate_group
+    from shardsync.types import FALLBACK_PREFIX
+
+    params = {"a": torch.zeros(4, 2), "A": torch.zeros(3), "c": torch.zeros(2, 2)}
+
+    def load(ws):
+        for n, t in ws:
+            if n == "a":
+                params["a"].copy_(t.narrow(0, 0, 4))
+            elif n == "A_log":  # Mamba2-style: narrow, copy, then a computed value written in place
+                params["A"].copy_(t.narrow(0, 1, 3))
+                params["A"].data.copy_(-torch.exp(params["A"].float()))
+            else:
+                params["c"].copy_(t.view(2, 2))
+    metas = [ParamMeta(name="model.layers.0.a", dtype="float32", shape=(6, 2)),
+             ParamMeta(name="model.layers.0.A_log", dtype="float32", shape=(4,)),
+             ParamMeta(name="model.layers.0.c", dtype="float32", shape=(4,))]
+
+    def load_named(ws):
+        load((n.rsplit(".", 1)[1], t) for n, t in ws)
+    with pytest.raises(UnsupportedLoaderOp, match="model.layers.0.A_log"):
+        record_plan(metadata=metas, load_weights=load_named, params=params)
+    plan = record_plan(metadata=metas, load_weights=load_named, params=params, allow_fallback=True)
+    (fb,) = plan.fallback
+    assert fb.src == "model.layers.0.A_log" and fb.dests == ("A",) and "copy_" in fb.reason
+    (g,) = plan.groups
+    assert [s.dst for s in g.scatters] == ["a", "c", FALLBACK_PREFIX + "model.layers.0.A_log"]
+    assert g.scatters[-1].shape == (4,) and "model.layers.0.c" in g.sources  # the dry run went on after it
+    assert validate_group(load_weights=load_named, params=params, group=g, metas=metas) == 3

@@ -89,7 +89,8 @@ def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
 
 
 def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """Deterministically change every tensor (same bytes in every process): w * (1 + 0.1·n1) + 0.01·n2."""
+    """Deterministically change every tensor (same bytes in every process): w * (1 + 0.1·n1) + 0.01·n2 for
+    floating tensors; int8 (quantised weights) by ±1 at random places, saturated."""
     out = {}
     for name, t in state.items():
         g = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ (seed * 2654435761)) & 0x7FFFFFFF)
@@ -97,6 +98,9 @@ def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
             n1 = torch.randn(t.shape, generator=g)
             n2 = torch.randn(t.shape, generator=g)
             out[name] = (t.float() * (1 + 0.1 * n1) + 0.01 * n2).to(t.dtype)
+        elif t.dtype == torch.int8:
+            step = torch.randint(-1, 2, t.shape, generator=g, dtype=torch.int16)
+            out[name] = (t.to(torch.int16) + step).clamp(-128, 127).to(torch.int8)
         else:
             out[name] = t.clone()
     return out

@@ -35,7 +35,7 @@ from torch import nn
 from ...errors import PlanError, SyncError
 
 __all__ = ["install_snapshot_hook", "FreshState", "TensorSnapshot", "fresh_state", "process_fresh", "probe",
-           "run_processing", "set_state", "capture_state", "default_dtype"]
+           "run_processing", "set_state", "capture_state", "default_dtype", "scratch_clone"]
 
 _TORCH_INTERNAL = frozenset(nn.Module().__dict__)
 _FRESH: "WeakKeyDictionary[nn.Module, FreshState]" = WeakKeyDictionary()
@@ -87,9 +87,54 @@ def install_snapshot_hook() -> None:
         original(model)
         for m in model.modules():
             _FRESH[m] = capture_state(m)
+        _ALIASES[model] = find_buffer_views(model)
 
     record_metadata_for_reloading._shardsync = True  # type: ignore[attr-defined]
     utils.record_metadata_for_reloading = record_metadata_for_reloading
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """A non-persistent buffer built as a view of another module's parameter at construction (Mamba's
+    ``mixer.conv_weights`` of ``conv1d.weight``). A first load writes the checkpoint values through the
+    parameter into it; processing may later give the parameter new storage, but the buffer keeps the
+    loaded values — so a sync writes them into it too."""
+
+    holder: str
+    buffer: str
+    owner: str
+    param: str
+    offset: int
+    """Element offset of the buffer's first element from the parameter's."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+_ALIASES: "WeakKeyDictionary[nn.Module, list[BufferView]]" = WeakKeyDictionary()
+
+
+def find_buffer_views(model: nn.Module) -> list[BufferView]:
+    owners: dict[int, tuple[str, str, torch.Tensor]] = {}
+    for mname, m in model.named_modules():
+        for pname, p in m._parameters.items():
+            if p is not None and not p.is_meta and p.numel():
+                owners.setdefault(p.untyped_storage().data_ptr(), (mname, pname, p))
+    out = []
+    for hname, h in model.named_modules():
+        for bname, b in h._buffers.items():
+            if b is None or bname not in h._non_persistent_buffers_set or b.is_meta or not b.numel():
+                continue
+            hit = owners.get(b.untyped_storage().data_ptr())
+            if hit is None or hit[2].dtype != b.dtype or (hit[0], hit[1]) == (hname, bname):
+                continue
+            out.append(BufferView(holder=hname, buffer=bname, owner=hit[0], param=hit[1],
+                                  offset=b.storage_offset() - hit[2].storage_offset(), shape=tuple(b.shape),
+                                  stride=tuple(b.stride())))
+    return out
+
+
+def buffer_views(model: nn.Module) -> list[BufferView]:
+    return list(_ALIASES.get(model, []))
 
 
 def fresh_state(module: nn.Module, name: str = "") -> FreshState:
@@ -125,17 +170,20 @@ class TensorSnapshot:
 
     def scratch(self) -> "TensorSnapshot":
         """Clones (same class and attributes) — for validation, which must never write live storage."""
-        def clone(t):
-            if t is None:
-                return None
-            c = t.detach().clone()
-            if isinstance(t, nn.Parameter):
-                c = nn.Parameter(c, requires_grad=False)
-            c.__class__ = t.__class__
-            c.__dict__.update(t.__dict__)
-            return c
-        return TensorSnapshot({k: clone(v) for k, v in self.params.items()},
-                              {k: clone(v) for k, v in self.buffers.items()}, set(self.non_persistent))
+        return TensorSnapshot({k: scratch_clone(v) for k, v in self.params.items()},
+                              {k: scratch_clone(v) for k, v in self.buffers.items()}, set(self.non_persistent))
+
+
+def scratch_clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of ``t`` with its class and attributes (weight loaders, TP state): a stand-in for validation."""
+    if t is None:
+        return None
+    c = t.detach().clone()
+    if isinstance(t, nn.Parameter):
+        c = nn.Parameter(c, requires_grad=False)
+    c.__class__ = t.__class__
+    c.__dict__.update(t.__dict__)
+    return c
 
 
 @contextlib.contextmanager
@@ -178,6 +226,10 @@ def process_fresh(layer: nn.Module, *, kernel: TensorSnapshot, mode: str, dtype:
         set_state(layer, live)
         raise
     done = TensorSnapshot.of(layer)
+    for n in kernel.non_persistent:  # alias buffers (views of another module's parameter) are not reloaded:
+        if n not in done.buffers and kernel.buffers.get(n) is not None:  # the live one stays
+            done.buffers[n] = kernel.buffers[n]
+            done.non_persistent.add(n)
     if keep:
         for d in (done.params, done.buffers):
             for n, t in d.items():

@@ -23,14 +23,20 @@ import torch
 from torch import nn
 
 from ...errors import PlanError, SyncError
-from .fresh import TensorSnapshot, capture_state, probe, process_fresh, set_state
+from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
+                    set_state)
 
 __all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "validate_processing"]
 
 
 def kind_of(layer: nn.Module) -> str:
+    """Module class, quant method class and the checkpoint-format tensors' names and ranks (a 3-D conv
+    weight in a linear class processes differently from a 2-D one). Call it while the layer holds
+    checkpoint-format tensors (dry run or mid-sync), so both sides agree."""
     qm = getattr(layer, "quant_method", None)
-    return f"{type(layer).__name__}/{type(qm).__name__}" if qm is not None else type(layer).__name__
+    sig = ",".join(f"{n}:{t.dim()}d" for n, t in sorted(TensorSnapshot.of(layer).tensors().items()))
+    base = f"{type(layer).__name__}/{type(qm).__name__}" if qm is not None else type(layer).__name__
+    return f"{base}[{sig}]"
 
 
 def _reload():
@@ -82,6 +88,9 @@ class FreshProcessor:
                 self.derived.setdefault(partner, []).append(m)
                 if order[m] < order[partner]:
                     self.before_partner.add(m)
+        self.views: dict[str, list[BufferView]] = {}
+        for v in buffer_views(model):
+            self.views.setdefault(v.owner, []).append(v)
         self.live: dict[nn.Module, TensorSnapshot] = {}
         self.rebound: set[nn.Module] = set()
         self.done: set[str] = set()
@@ -128,11 +137,24 @@ class FreshProcessor:
             if all(p in self.done for p, _ in self.aliases[m].values()) and m not in self.done:
                 self._derive(m)
 
+    def _write_views(self, layer: nn.Module, name: str) -> None:
+        """Buffers that view this layer's checkpoint-format parameters get the values just loaded."""
+        for v in self.views.get(name, ()):
+            holder = self.model.get_submodule(v.holder)
+            buf = self.live[holder].buffers.get(v.buffer) if holder in self.live else None
+            src = getattr(layer, v.param, None)
+            if buf is None or src is None:
+                continue
+            buf.copy_(src.as_strided(v.shape, v.stride, src.storage_offset() + v.offset))
+
     def _process(self, layer: nn.Module, info: Any, name: str, keep: dict | None = None) -> None:
+        self._write_views(layer, name)
         if name in self.derived and any(m in self.before_partner for m in self.derived[name]):
             for n, t in TensorSnapshot.of(layer).tensors().items():
                 self._inputs[(name, n)] = t.detach().clone()
-        mode = self.modes.get(kind_of(layer), "rebind")
+        # a module without a quant method has no processing: copying back is what a first load gives
+        mode = self.modes.get(kind_of(layer), "rebind") if getattr(layer, "quant_method", None) is not None \
+            else "inplace"
         if layer not in self.live:
             raise SyncError(f"layer {name!r} completed outside an update window")
         process_fresh(layer, kernel=self.live[layer], mode=mode, dtype=self.dtype, name=name, keep=keep)
@@ -177,10 +199,11 @@ class KindReport:
         return asdict(self)
 
 
-def _fill_random(layer: nn.Module, g: torch.Generator) -> dict[str, torch.Tensor]:
+def _fill_random(layer: nn.Module, g: torch.Generator, names: set[str]) -> dict[str, torch.Tensor]:
+    """Random checkpoint-format data in the materialised tensors ``names`` (never in live ones)."""
     out = {}
     for n, t in TensorSnapshot.of(layer).tensors().items():
-        if t.is_meta or not t.numel():
+        if n not in names or t.is_meta or not t.numel():
             continue
         if t.dtype.is_floating_point:
             r = torch.rand(t.shape, generator=g) * 0.01 + 0.005 if "scale" in n else torch.randn(t.shape, generator=g) * 0.05
@@ -235,11 +258,16 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
         state = capture_state(layer)
         g = torch.Generator().manual_seed(seed)
 
+        materialised = {n for n, t in on_meta.tensors().items() if t.is_meta}
+
         def load(inputs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
             on_meta.place(layer)
             meta.materialize_layer(layer, info)
+            for n, t in on_meta.tensors().items():  # live tensors (expert maps, biases): scratch clones
+                if n not in materialised:
+                    setattr(layer, n, scratch_clone(t))
             if inputs is None:
-                return _fill_random(layer, g)
+                return _fill_random(layer, g, materialised)
             for n, t in inputs.items():
                 getattr(layer, n).data.copy_(t)
             return inputs
