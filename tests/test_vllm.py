@@ -57,7 +57,7 @@ CASES = [
     ("qwen3_tied", 2, False, ()),
     ("int8_w8a8", 1, False, ()),
     ("mamba2", 1, False, ()),
-    ("jamba", 1, False, ()),
+    ("falcon_h1", 1, False, ()),
 ]
 
 
