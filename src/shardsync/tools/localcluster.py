@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import secrets
+import time
 import traceback
 from dataclasses import asdict
 from typing import Any
@@ -76,7 +77,7 @@ def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any
         src = VersionedSource.make(spec, rank, n)
         bl = pcfg.pop("baseline", None)
         prod = Producer(src, ProducerConfig(**pcfg))
-        out.put(("address", rank, prod.address))
+        out.send(("address", rank, prod.address))
         prod.init()
         if bl:
             from . import baseline
@@ -84,24 +85,24 @@ def _producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any
             groups = baseline.init_baseline(rank, bl["world"], bl["port"], n)
             held = [pp_share([m.name for m in src.metadata()], p, n) for p in range(n)]
             owner = baseline.owners(held, src.metadata())
-        out.put(("ready", rank, prod.stats))
+        out.send(("ready", rank, prod.stats))
         while (msg := cmd.get()) is not None:
             kind, v = msg
             if kind == "prepare":  # the training step: new weights (not part of the timed sync)
                 src.set_version(v)
-                out.put(("prepared", rank, None))
+                out.send(("prepared", rank, None))
             elif kind == "baseline":
-                out.put(("synced", rank, {"seconds": baseline.broadcast_send(src, src.metadata(), owner, rank, groups),
+                out.send(("synced", rank, {"seconds": baseline.broadcast_send(src, src.metadata(), owner, rank, groups),
                                           "bytes_sent": 0, "max_resident": 0, "lookahead": 0}))
             else:
-                out.put(("synced", rank, prod.sync(v)))
+                out.send(("synced", rank, prod.sync(v)))
         prod.close()
     except BaseException as e:  # report, never hang the parent
-        out.put(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+        out.send(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
 
 
 def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token: str, transport: str,
-                   timeout_s: float, cmd: Any, out: Any, bl: dict | None = None) -> None:
+                   timeout_s: float, cmd: Any, bl: dict | None, out: Any) -> None:
     try:
         torch.set_num_threads(1)
         from ..engine.consumer import Consumer
@@ -136,24 +137,53 @@ def _consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, toke
             metas = [m for m in cons.metas]
             names = [m.name for m in metas]
             owner = baseline.owners([pp_share(names, p, bl["producers"]) for p in range(bl["producers"])], metas)
-        out.put(("ready", cid, cons.stats))
+        out.send(("ready", cid, cons.stats))
         while (msg := cmd.get()) is not None:
             kind, v = msg
             if kind == "check":  # after every process finished the sync: compare with our own loaders
                 ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
                 ref.load_weights(hf_state_dict(zc, seed=v).items())
                 bad = mismatched(live.state_dict(), ref.state_dict())
-                out.put(("checked", cid, bad))
+                out.send(("checked", cid, bad))
                 continue
             if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders
                 secs, got = baseline.broadcast_receive(metas, owner, groups, live.load_weights)
                 stats = {"seconds": secs, "bytes_received": got}
             else:
                 stats = cons.sync(v)
-            out.put(("synced", cid, stats))
+            out.send(("synced", cid, stats))
         cons.close()
     except BaseException as e:
-        out.put(("error", cid, f"consumer {cid}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+        out.send(("error", cid, f"consumer {cid}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+class _Inbox:
+    """Results from the children, one pipe each: a child killed mid-write (fault injection) cannot
+    leave a shared lock held — with one ``multiprocessing.Queue`` for all, it could, and every other
+    child's next message would block forever."""
+
+    def __init__(self) -> None:
+        self.readers: list[Any] = []
+
+    def writer(self) -> Any:
+        r, w = _CTX.Pipe(duplex=False)
+        self.readers.append(r)
+        return w
+
+    def get(self, timeout: float) -> tuple[Any, Any, Any]:
+        from multiprocessing.connection import wait
+
+        deadline = time.monotonic() + timeout
+        while self.readers:
+            ready = wait(self.readers, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for r in ready:
+                try:
+                    return r.recv()
+                except (EOFError, OSError):  # that child is gone
+                    self.readers.remove(r)
+        raise TimeoutError
 
 
 class LocalCluster:
@@ -165,7 +195,7 @@ class LocalCluster:
                  spec: dict | None = None, external_consumers: int = 0, baseline: bool = False):
         self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
         self.timeout_s = timeout_s
-        self.out = _CTX.Queue()
+        self.inbox = _Inbox()
         self.token = secrets.token_hex(8)
         self.procs: list[Any] = []
         self.cmds: dict[Any, Any] = {}
@@ -184,11 +214,11 @@ class LocalCluster:
             base["baseline"] = bl
         q0 = _CTX.Queue()
         spec = spec or {"kind": "zoo", "cfg": c}
-        self._start(_producer_main, (0, producers, spec, dict(base, rank=0), q0, self.out), 0, q0)
+        self._start(_producer_main, (0, producers, spec, dict(base, rank=0), q0), 0, q0)
         coord = self._expect("address", {0})[0]
         for r in range(1, producers):
             q = _CTX.Queue()
-            self._start(_producer_main, (r, producers, spec, dict(base, rank=r, coordinator=coord), q, self.out), r, q)
+            self._start(_producer_main, (r, producers, spec, dict(base, rank=r, coordinator=coord), q), r, q)
         self._expect("address", set(range(1, producers)))
         self.coordinator = coord
         self.consumer_ids: list[str] = []
@@ -199,7 +229,7 @@ class LocalCluster:
             q = _CTX.Queue()
             t = int(cid.split("tp")[1])
             cbl = None if bl is None else dict(bl, rank=producers + self.consumer_ids.index(cid))
-            self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, self.out, cbl),
+            self._start(_consumer_main, (cid, tp, t, c, coord, self.token, transport, timeout_s, q, cbl),
                         cid, q)
         self.wait_ready()
 
@@ -208,8 +238,11 @@ class LocalCluster:
         return self.init_stats
 
     def _start(self, fn, args, key, q) -> None:
-        p = _CTX.Process(target=fn, args=args, daemon=True)
+        """The child's result pipe is appended to ``args``."""
+        w = self.inbox.writer()
+        p = _CTX.Process(target=fn, args=(*args, w), daemon=True)
         p.start()
+        w.close()  # the child holds the write end now
         self.procs.append(p)
         self.by_key[key] = p
         self.cmds[key] = q
@@ -225,8 +258,8 @@ class LocalCluster:
         wait = 600.0 if kind in ("address", "ready") else self.timeout_s * 3 + 60
         while keys - got.keys():
             try:
-                k, who, payload = self.out.get(timeout=wait)
-            except Exception:
+                k, who, payload = self.inbox.get(timeout=wait)
+            except TimeoutError:
                 raise TimeoutError(f"local cluster: no {kind!r} from {sorted(map(str, keys - got.keys()))}") from None
             if k == "error":
                 raise RuntimeError(payload)
