@@ -87,9 +87,10 @@ def fresh_reference(src_dir: str, state: dict[str, torch.Tensor], *, tp: int, ep
     return FreshReference(paths=paths, tokens=tokens, checkpoint=ckpt)
 
 
-def shutdown(llm) -> None:
+def shutdown(llm, timeout_s: float = 2.0) -> None:
+    """Stop the engine's processes now (vLLM's default waits several seconds before killing them)."""
     try:
-        llm.llm_engine.engine_core.shutdown()
+        llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
     except Exception:
         pass
     del llm
