@@ -16,7 +16,8 @@ from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 from . import control as m
-from ..errors import MetadataMismatch, TransportError
+from ..errors import MetadataMismatch, PlanError, TransportError
+from ..plan.checks import check_plan
 from ..plan.route import holders_from_ownership, route_plans
 from ..types import ParamMeta, Plan, metadata_digest
 
@@ -79,6 +80,9 @@ class Coordinator:
             plan.verify_digest()
             if plan.meta_digest != self.digest:
                 raise self.fail(MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata"))
+            if plan.consumer != msg.consumer:
+                raise PlanError(f"consumer {msg.consumer!r} registered a plan labelled {plan.consumer!r}")
+            check_plan(plan, self.metadata)  # ops allow-listed, chains replay in bounds: before anything acts on it
             with self.cv:
                 if msg.consumer in self.plans or self.routes is not None:
                     raise MetadataMismatch(f"consumer {msg.consumer!r}: registration refused (duplicate id, or "
