@@ -214,9 +214,11 @@ def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], 
 def _validate_group(model: nn.Module, g, metas: Sequence[ParamMeta], mods: Sequence[str], rank: int,
                     seed: int) -> int:
     _, meta_mod, _ = _reload()
-    # tensors no loader writes (expert maps, masks) are read by the loaders: never sentinel-filled
+    # tensors vLLM never reloads (expert maps, masks) are read by the loaders: never sentinel-filled,
+    # unless this plan writes them (DeepSeek's e_score_correction_bias comes from the checkpoint)
+    writes = {s.dst for s in g.scatters} | {f.dst for f in g.fills}
     tensors = {n: t for n, t in model_tensors(model).items() if _module_of(n)[0] in mods and not t.is_meta
-               and _module_of(n)[1] not in meta_mod.SKIP_LOAD_TENSORS}
+               and (_module_of(n)[1] not in meta_mod.SKIP_LOAD_TENSORS or n in writes)}
     return validate_group(load_weights=model.load_weights, params=tensors, group=g, metas=metas, rank=rank,
                           seed=seed)
 
