@@ -75,7 +75,7 @@ def test_synced_engine_equals_a_fresh_engine(ckpts, arch: str, tp: int, ep: bool
         assert r["tied"] == {"lm_head": {"weight": "model.embed_tokens.weight"}}, r["tied"]
     full = r["full_model_bytes"]
     if tp == 1:
-        assert r["bytes_received_per_rank"][0] <= full
+        assert r["bytes_received_per_rank"][0] <= 1.01 * full  # the whole model, plus alignment padding
     else:  # each rank receives a share of the model (replicated norms / embeddings add a little)
         assert all(b < 0.75 * full for b in r["bytes_received_per_rank"]), r["bytes_received_per_rank"]
     if ep:  # no rank receives the other rank's experts

@@ -89,8 +89,8 @@ class VllmReplicas:
 
     def close(self) -> None:
         for llm in self.llms:
-            try:
-                llm.shutdown_weight_transfer_engine()
+            try:  # bounded: a dead engine would leave this call waiting forever
+                llm.llm_engine.collective_rpc("shutdown_weight_transfer_engine", timeout=10)
             except Exception:
                 pass
             shutdown(llm)
