@@ -20,6 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if args.cmd == "verify":  # its human summary goes to stderr itself; its JSON line to stdout
+        from .integrations.vllm.verify import run_verify
+
+        return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
+                          validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference)
     with json_mode(getattr(args, "json", False)):
         return _run(args)
 
@@ -105,11 +110,6 @@ def _run(args: argparse.Namespace) -> int:
             print(f"shardsync simulate: {e}", file=sys.stderr)
             return 2
         return 0
-    if args.cmd == "verify":
-        from .integrations.vllm.verify import run_verify
-
-        return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
-                          validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference)
     return 2
 
 

@@ -13,8 +13,12 @@ import sys
 from typing import Any, Iterator
 
 
+_REAL_STDOUT: list[Any] = []
+"""The stdout in force when the innermost :func:`json_mode` opened (a stack)."""
+
+
 def emit_json(obj: Any) -> None:
-    out = sys.__stdout__ or sys.stdout
+    out = _REAL_STDOUT[-1] if _REAL_STDOUT else sys.stdout
     out.write(json.dumps(obj) + "\n")
     out.flush()
 
@@ -24,5 +28,9 @@ def json_mode(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    _REAL_STDOUT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _REAL_STDOUT.pop()

@@ -122,9 +122,7 @@ def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as
             shutdown(llm)
     print_summary(result)
     if as_json:
-        out = sys.__stdout__ or sys.stdout
-        out.write(json.dumps(result) + "\n")
-        out.flush()
+        print(json.dumps(result), flush=True)
     return 0 if result.get("exact") or (reference == "none" and "error" not in result) else 1
 
 
