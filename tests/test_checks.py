@@ -40,6 +40,8 @@ def test_a_recorded_plan_passes(plan_and_metas) -> None:
 
 
 WHY = {"unknown_op": "op 'exp' is not one", "import_op": "op '__import__' is not one", "bad_arg": "does not decode",
+       "huge_intermediate": "op 'expand' gives", "index_out_of_range": "outside a dimension",
+       "bad_memory_format": "does not decode",
        "oob_view": "strided view reaches", "huge_shape": "more than 64x", "wrong_shape": "op chain gives shape",
        "unknown_source": "not a trainer tensor", "bad_dtype": "unknown dtype"}
 
@@ -50,6 +52,10 @@ def test_forged_plans_are_refused_naming_the_consumer(plan_and_metas, case: str)
     _, s = forge(plan)
     changes = {
         "unknown_op": dict(ops=(Op(name="exp", fn=True),), view=None),
+        "huge_intermediate": dict(view=None, ops=(Op(name="unsqueeze", args=(0,)), Op(name="expand", args=(1 << 24, -1, -1, -1)),
+                                                  Op(name="narrow", args=(0, 0, 1)))),
+        "index_out_of_range": dict(view=None, ops=(Op(name="index_select", args=(0, {"X": ["int64", [1], [10 ** 12]]})),)),
+        "bad_memory_format": dict(view=None, ops=(Op(name="contiguous", kwargs={"memory_format": {"M": "save"}}),)),
         "import_op": dict(ops=(Op(name="__import__", fn=True, args=("os",)),), view=None),
         "bad_arg": dict(ops=(Op(name="narrow", args=({"Q": 1}, 0, 1)),), view=None),
         "oob_view": dict(view=StridedView(offset=10 ** 9, shape=s.shape, stride=(1,) * len(s.shape))),

@@ -82,7 +82,10 @@ class Coordinator:
                 raise self.fail(MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata"))
             if plan.consumer != msg.consumer:
                 raise PlanError(f"consumer {msg.consumer!r} registered a plan labelled {plan.consumer!r}")
-            check_plan(plan, self.metadata)  # ops allow-listed, chains replay in bounds: before anything acts on it
+            try:  # ops allow-listed, chains replay in bounds: before anything acts on it
+                check_plan(plan, self.metadata)
+            except PlanError as e:  # membership is fixed: the others would wait for this consumer in vain
+                raise self.fail(e) from None
             with self.cv:
                 if msg.consumer in self.plans or self.routes is not None:
                     raise MetadataMismatch(f"consumer {msg.consumer!r}: registration refused (duplicate id, or "

@@ -43,6 +43,11 @@ def check_plan(plan: Plan, metadata: Sequence[ParamMeta]) -> None:
     for f in plan.fallback:
         if f.src not in metas:
             raise PlanError(f"consumer {plan.consumer!r}: fallback source {f.src!r} is not a trainer tensor")
+    model_bytes = sum(m.nbytes for m in metadata)  # bounds the producer's ring, sized from the plans
+    payload = sum(s.nbytes for g in plan.groups for s in g.scatters)
+    if payload > MAX_EXPANSION * max(model_bytes, 1):
+        raise PlanError(f"consumer {plan.consumer!r}: plan carries {payload} bytes, more than {MAX_EXPANSION}x the "
+                        f"model's {model_bytes}")
 
 
 def _check_scatter(s: Scatter, m: ParamMeta, where: str, fallback: set[str]) -> None:
@@ -52,7 +57,7 @@ def _check_scatter(s: Scatter, m: ParamMeta, where: str, fallback: set[str]) -> 
         try:
             [opcodec.decode(a) for a in op.args]
             [opcodec.decode(v) for v in op.kwargs.values()]
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except Exception as e:  # any malformed argument (overflowing ints, deep nesting, unknown names)
             raise PlanError(f"{where}: op {op.name!r} has an argument that does not decode: {e}") from None
     try:
         dtype_of(s.src_dtype), dtype_of(s.dst_dtype)
@@ -75,7 +80,12 @@ def _check_scatter(s: Scatter, m: ParamMeta, where: str, fallback: set[str]) -> 
             raise PlanError(f"{where}: strided view reaches element {last} of a source of {m.numel}")
     full = torch.empty(m.shape, dtype=dtype_of(m.dtype), device="meta")
     try:
-        out = replay(s, full)
+        if s.view is not None:
+            out = replay(s, full)
+        else:
+            out = _replay_checked(s, full, m, where)
+    except PlanError:
+        raise
     except Exception as e:
         raise PlanError(f"{where}: op chain does not replay on the source's shape {tuple(m.shape)}: "
                         f"{type(e).__name__}: {e}") from None
@@ -83,3 +93,81 @@ def _check_scatter(s: Scatter, m: ParamMeta, where: str, fallback: set[str]) -> 
         raise PlanError(f"{where}: op chain gives shape {tuple(out.shape)}, the plan says {tuple(s.shape)}")
     if out.dtype != dtype_of(s.src_dtype):
         raise PlanError(f"{where}: op chain gives dtype {out.dtype}, the plan says {s.src_dtype}")
+
+
+def _replay_checked(s: Scatter, full: torch.Tensor, m: ParamMeta, where: str) -> torch.Tensor:
+    """The op chain on a meta tensor, op by op: every intermediate bounded in size, every constant index
+    inside the dimension it indexes (meta kernels never read index values)."""
+    t = full
+    bound = max(m.numel, 1) * MAX_EXPANSION
+    for op in s.ops:
+        args = tuple(_on_meta(opcodec.decode(a)) for a in op.args)
+        kwargs = {k: _on_meta(opcodec.decode(v)) for k, v in op.kwargs.items()}
+        if op.name == "index_select":
+            dim = int(args[0] if args else kwargs.get("dim", 0))
+            _check_index(op.args[1] if len(op.args) > 1 else op.kwargs.get("index"), t.shape[dim], where)
+        elif op.name == "__getitem__" and args:
+            _check_getitem(op.args[0], t.shape, where)
+        if op.name in ("T", "mT", "data"):
+            t = getattr(t, op.name)
+        elif op.fn:
+            t = getattr(torch, op.name)(t, *args, **kwargs)
+        else:
+            t = getattr(torch.Tensor, op.name)(t, *args, **kwargs)
+        if op.out >= 0:
+            t = t[op.out]
+        if t.numel() > bound:
+            raise PlanError(f"{where}: op {op.name!r} gives {t.numel()} elements from a source of {m.numel}")
+    return t
+
+
+def _on_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, tuple):
+        return tuple(_on_meta(i) for i in x)
+    return x
+
+
+def _index_values(enc) -> list[int] | None:
+    """Integer index values of an encoded constant (tensor or list); None for anything else."""
+    if isinstance(enc, dict) and "X" in enc:
+        name, _, values = enc["X"]
+        return None if name == "bool" else [int(v) for v in values]
+    if isinstance(enc, dict) and "L" in enc:
+        return [v for v in enc["L"] if isinstance(v, int)]
+    return None
+
+
+def _check_index(enc, size: int, where: str) -> None:
+    values = _index_values(enc)
+    if values and (min(values) < -size or max(values) >= size):
+        raise PlanError(f"{where}: constant index {min(values)}..{max(values)} outside a dimension of {size}")
+
+
+def _check_getitem(enc, shape: torch.Size, where: str) -> None:
+    items = opcodec.decode(enc)
+    items = items if isinstance(items, tuple) else (items,)
+    encs = enc["T"] if isinstance(enc, dict) and "T" in enc else [enc]
+    n_consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
+    dim = 0
+    for i, e in zip(items, encs):
+        if i is Ellipsis:
+            dim += len(shape) - n_consuming
+            continue
+        if i is None:
+            continue
+        if dim >= len(shape):
+            raise PlanError(f"{where}: index has more dimensions than the tensor {tuple(shape)}")
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            if tuple(i.shape) != tuple(shape[dim:dim + i.dim()]):
+                raise PlanError(f"{where}: bool mask {tuple(i.shape)} does not match dimensions {tuple(shape)}")
+            dim += i.dim()
+            continue
+        if isinstance(i, int):
+            if not -shape[dim] <= i < shape[dim]:
+                raise PlanError(f"{where}: index {i} outside a dimension of {shape[dim]}")
+        else:
+            _check_index(e, shape[dim], where)
+        dim += 1
+

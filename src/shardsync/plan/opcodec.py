@@ -21,6 +21,7 @@ class NotEncodable(TypeError):
 MAX_INDEX_ELEMENTS = 1 << 20
 """Largest constant index tensor a plan may carry (bounds what a peer's plan can make a trainer build)."""
 _INDEX_DTYPES = ("int64", "int32", "int16", "int8", "uint8", "bool")
+_MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")
 
 
 def encode(x: Any) -> Any:
@@ -64,6 +65,8 @@ def decode(x: Any) -> Any:
     if k == "D":
         return dtype_of(v)
     if k == "M":
+        if v not in _MEMORY_FORMATS:
+            raise ValueError(f"unknown memory format {v!r}")
         return getattr(torch, v)
     if k == "X":
         name, shape, values = v

@@ -179,7 +179,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if self._started:
             raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
         self.processor.begin()  # exact live tensor slots, and vLLM's per-layer processing -> first-load replay
-        initialize_layerwise_reload(self.model)
+        try:
+            initialize_layerwise_reload(self.model)
+        except BaseException:
+            self.processor.end()
+            raise
         self._started, self._received = True, False
         self._applied.clear()
         self._bytes = 0
@@ -264,7 +268,29 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                             "those layers keep their previous weights while the others have the new ones — the "
                             "engine holds MIXED versions until a later sync succeeds")
 
+    def reset_weight_update_target(self) -> None:
+        """vLLM calls this after a failed start/update (and after every finish): a window left open by a
+        failure is closed here, so the engine serves its live tensors again (mixed versions if some layers
+        were already applied — reported) and the next start_weight_update works."""
+        super().reset_weight_update_target()
+        if self._started:
+            self._abort("the update failed before finish_weight_update")
+
+    def _abort(self, why: str) -> None:
+        self._started = False
+        self.inconsistent = bool(self._applied)
+        if self.processor is not None and self.processor.open:
+            self.processor.end()
+        if self.plan is not None and self.plan_dir:
+            missing = [g.name for g in self.plan.groups if g.name not in self._applied]
+            _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), {
+                "rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
+                "seconds": time.perf_counter() - self._t0, "missing_groups": missing, "aborted": why,
+                "inconsistent": self.inconsistent})
+
     def shutdown(self) -> None:
+        if self._started:
+            self._abort("shutdown during an update")
         if self.consumer is not None:
             self.consumer.close()
             self.consumer = None

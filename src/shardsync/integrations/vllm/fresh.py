@@ -238,20 +238,25 @@ def process_fresh(layer: nn.Module, *, kernel: TensorSnapshot, mode: str, dtype:
     if mode == "rebind":
         done.place(layer)
         return
-    for d_new, d_old, kind in ((done.params, kernel.params, "parameter"), (done.buffers, kernel.buffers, "buffer")):
+    pairs = ((done.params, kernel.params, "parameter"), (done.buffers, kernel.buffers, "buffer"))
+    for d_new, d_old, kind in pairs:  # everything is checked before any live byte is written
+        problem = ""
         if set(d_new) != set(d_old):
+            problem = f"first-load processing produced {kind}s {sorted(d_new)}, the live layer has {sorted(d_old)}"
+        for n, new in d_new.items():
+            old = d_old.get(n)
+            if problem or n not in d_old:
+                break
+            if (new is None) != (old is None) or (new is not None and (new.shape != old.shape or new.dtype != old.dtype)):
+                problem = (f"processed {kind} {n!r} is {None if new is None else (tuple(new.shape), new.dtype)}, the "
+                           f"live one {None if old is None else (tuple(old.shape), old.dtype)}: cannot copy in place")
+        if problem:
             set_state(layer, live)
             kernel.place(layer)
-            raise SyncError(f"layer {name!r}: first-load processing produced {kind}s {sorted(d_new)}, the live layer "
-                            f"has {sorted(d_old)}")
+            raise SyncError(f"layer {name!r}: {problem}")
+    for d_new, d_old, _ in pairs:
         for n, new in d_new.items():
             old = d_old[n]
-            if (new is None) != (old is None) or (new is not None and (new.shape != old.shape or new.dtype != old.dtype)):
-                set_state(layer, live)
-                kernel.place(layer)
-                raise SyncError(f"layer {name!r}: processed {kind} {n!r} is "
-                                f"{None if new is None else (tuple(new.shape), new.dtype)}, the live one "
-                                f"{None if old is None else (tuple(old.shape), old.dtype)}: cannot copy in place")
             if new is not None and new is not old:
                 old.data.copy_(new.data)
     kernel.place(layer)

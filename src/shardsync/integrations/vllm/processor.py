@@ -16,8 +16,10 @@ names the kinds where vLLM's own reload differs from a first load.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -43,6 +45,30 @@ def _reload():
     from vllm.model_executor.model_loader.reload import layerwise, meta
 
     return layerwise, meta
+
+
+_LOCK = threading.Lock()
+_OPEN: "WeakKeyDictionary[nn.Module, FreshProcessor]" = WeakKeyDictionary()
+"""Layer -> the processor whose update window is open for it (several engines may share a process)."""
+_ORIGINAL: list[Any] = []
+
+
+def vllm_layerwise_process() -> Any:
+    """vLLM's own ``_layerwise_process``, with shardsync's dispatcher installed in its place (once per
+    process): layers of an open update window go to their processor, all others to vLLM's function."""
+    layerwise, _ = _reload()
+    with _LOCK:
+        if not _ORIGINAL:
+            _ORIGINAL.append(layerwise._layerwise_process)
+            layerwise._layerwise_process = _dispatch
+    return _ORIGINAL[0]
+
+
+def _dispatch(layer: nn.Module, info: Any) -> None:
+    proc = _OPEN.get(layer)
+    if proc is None:
+        return _ORIGINAL[0](layer, info)
+    return proc.process(layer, info)
 
 
 def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str, tuple[str, str]]]:
@@ -96,29 +122,43 @@ class FreshProcessor:
         self.done: set[str] = set()
         self.processed: list[str] = []
         self._inputs: dict[tuple[str, str], torch.Tensor] = {}
-        self._saved = None
+        self.open = False
 
     def begin(self) -> None:
-        """Before vLLM's ``initialize_layerwise_reload``: snapshot every module's exact tensor slots."""
-        layerwise, _ = _reload()
+        """Before vLLM's ``initialize_layerwise_reload``: snapshot every module's exact tensor slots and
+        route the model's layers to :meth:`process`."""
+        if self.open:
+            raise SyncError("an update window is already open on this engine")
+        vllm_layerwise_process()
         self.live = {m: TensorSnapshot.of(m) for m in self.model.modules()}
         self.rebound.clear()
         self.done.clear()
         self.processed = []
         self._inputs.clear()
-        self._saved = layerwise._layerwise_process
-        layerwise._layerwise_process = self.process
+        with _LOCK:
+            for m in self.live:
+                _OPEN[m] = self
+        self.open = True
 
     def end(self) -> None:
-        """After vLLM's ``finalize_layerwise_reload``."""
+        """After vLLM's ``finalize_layerwise_reload``, or to abort a window: every module not rebound gets
+        its exact live tensor slots back, vLLM's per-layer reload state is cleared."""
         layerwise, _ = _reload()
-        if self._saved is not None:
-            layerwise._layerwise_process = self._saved
-            self._saved = None
+        with _LOCK:
+            for m in self.live:
+                if _OPEN.get(m) is self:
+                    del _OPEN[m]
         for m, snap in self.live.items():
+            info = layerwise.LAYERWISE_INFO.get(m)
+            if info is not None:
+                info.reset()
             if m not in self.rebound:
                 snap.place(m)
+        if hasattr(self.model, "_original_do_torchao_reload"):
+            self.model._do_torchao_reload = self.model._original_do_torchao_reload
+        layerwise.LOADING_LAYERS.clear()
         self._inputs.clear()
+        self.open = False
 
     def process(self, layer: nn.Module, info: Any) -> None:
         """Replacement for vLLM's ``_layerwise_process(layer, info)``."""
@@ -299,7 +339,7 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
             info.kernel_non_persistent_buffers = set(scratch.non_persistent)
             info.loaded_weights, info.load_numel_total = [], 1
             try:
-                layerwise._layerwise_process(layer, info)
+                vllm_layerwise_process()(layer, info)
                 t_v, y_v = _tensors(layer), _probe(layer)
                 differs = not (set(t_v) == set(t_ref) and _same(list(t_v.values()), [t_ref[n] for n in t_v])
                                and _same(y_v, y_ref))
