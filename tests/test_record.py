@@ -263,3 +263,18 @@ def test_unrecordable_tensor_takes_the_fallback_path_and_validates() -> None:
     assert [s.dst for s in g.scatters] == ["a", "c", FALLBACK_PREFIX + "model.layers.0.A_log"]
     assert g.scatters[-1].shape == (4,) and "model.layers.0.c" in g.sources  # the dry run went on after it
     assert validate_group(load_weights=load_named, params=params, group=g, metas=metas) == 3
+
+
+def test_fallback_with_a_loader_that_reads_ahead_records_every_other_tensor() -> None:
+    """A loader that takes ``list(weights)`` first has seen tensors it never ran when the refusal comes:
+    the dry run starts over without the fallback tensor, so none of them is lost."""
+    params = {"a": torch.zeros(2), "b": torch.zeros(2), "c": torch.zeros(2)}
+
+    def load(ws):
+        for n, t in list(ws):
+            key = n.rsplit(".", 1)[1]
+            params[key].copy_(t * 2 if key == "b" else t)
+    metas = [ParamMeta(name=f"model.layers.0.{k}", dtype="float32", shape=(2,)) for k in "abc"]
+    plan = record_plan(metadata=metas, load_weights=load, params=params, allow_fallback=True)
+    assert [f.src for f in plan.fallback] == ["model.layers.0.b"]
+    assert {s.dst for s in plan.groups[0].scatters} >= {"a", "c"} and plan.unneeded == ()

@@ -336,20 +336,30 @@ def record_plan(
         except UnsupportedLoaderOp as e:
             if not allow_fallback or e.tensor not in by_name or any(f.src == e.tensor for f in fallbacks):
                 raise
-            recorder.drop(e.tensor)
-            fallbacks.append(_fallback(by_name[e.tensor], load_weights, resolve, storages, str(e)))
-            done = {m.name for m in given}
-            todo = [m for m in todo if m.name not in done]
+            fallbacks.append(_fallback(by_name[e.tensor], load_weights, resolve, storages, str(e), rank))
+            skip = {f.src for f in fallbacks}
+            if given and given[-1].name == e.tensor:  # a lazy loader: what it took before is recorded
+                recorder.drop(e.tensor)
+                done = {m.name for m in given}
+                todo = [m for m in todo if m.name not in done]
+            else:  # the loader read ahead (list(weights)): those tensors may never have run; start over
+                recorder = Recorder(resolve, rank=rank, device=device)
+                todo = [m for m in metadata if m.name not in skip]
     return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,
                       dests=tuple(recorder.dests.values()), fills=recorder.fills, fallbacks=fallbacks)
 
 
 def _fallback(meta: ParamMeta, load_weights: Callable, resolve: DestinationResolver, storages: set[int],
-              reason: str) -> Fallback:
+              reason: str, rank: int | None) -> Fallback:
     collector = _WriteCollector(resolve, storages)
     full = torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device="meta")
-    with collector:
-        load_weights([(meta.name, full)])
+    try:
+        with collector:
+            load_weights([(meta.name, full)])
+    except Exception as e:  # e.g. the loader reads values (.item(), bool(t.any())): no meta dry run possible
+        raise UnsupportedLoaderOp(tensor=meta.name, op="fallback dry run", chain="", rank=rank,
+                                  detail=f"{reason}; and on a plain meta tensor the loader fails: "
+                                         f"{type(e).__name__}: {e}") from None
     if not collector.written:
         raise PlanError(f"checkpoint tensor {meta.name!r} cannot be recorded ({reason}) and its loader writes no "
                         "parameter on a meta tensor either: no fallback is possible")

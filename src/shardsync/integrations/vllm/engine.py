@@ -105,6 +105,18 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _refuse_rebind_under_cuda_graphs(vllm_config, kinds: dict, plan, validated: bool, rank: int) -> None:
+    """``rebind`` gives a layer new storage: captured CUDA graphs would keep reading the old one."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return
+    rebind = sorted(k for k, r in kinds.items() if r.mode == "rebind")
+    if rebind or (not validated and plan.dests):
+        raise PlanError(f"rank {rank}: CUDA graphs are captured ({mode}) but layer kinds "
+                        f"{rebind or ['(all: validate=False)']} can only be synced by rebinding their tensors, which "
+                        "captured graphs would not see: start the engine with enforce_eager=True, or keep validate on")
+
+
 class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
     init_info_cls = ShardsyncInitInfo
     update_info_cls = ShardsyncUpdateInfo
@@ -156,6 +168,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
         aliases, kinds = check_processing(self.model, self.vllm_config, self.plan, rank=self.rank,
                                           validate=init_info.validate)
+        _refuse_rebind_under_cuda_graphs(self.vllm_config, kinds, self.plan, init_info.validate, self.rank)
         self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
                                         modes={k: r.mode for k, r in kinds.items()})
         self.applier = LayerApplier(self.model, self.plan)

@@ -1,8 +1,9 @@
 """What an engine holds, for a byte comparison with a FRESH engine loaded from the same weights.
 
 Every parameter and buffer of every module (by dotted name, after processing — e.g. CPU-prepacked MoE
-experts) and, where CPU vLLM keeps weights in opaque packed handles (linear layers, LM heads), the
-outputs of each such layer's kernel on a fixed probe input.
+experts), tensors kept as plain attributes of a module or its quant method, and, where CPU vLLM keeps
+weights in opaque packed handles (linear layers, LM heads), the outputs of each such layer's kernel on a
+fixed probe input.
 
     tensors = inspect_model(model)                  # {"t:<name>": tensor, "p:<module>#<i>": probe output}
     n, bad = compare_files(a_path, b_path)          # keys compared, keys that differ (or exist on one side)
@@ -29,6 +30,11 @@ def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
                     continue
                 key = f"t:{mname}.{n}" if mname else f"t:{n}"
                 out[key] = t.detach().contiguous().cpu().clone()
+            qm = getattr(mod, "quant_method", None)  # data processing keeps outside registered tensors
+            for prefix, d in (("a", mod.__dict__), ("q", getattr(qm, "__dict__", {}))):
+                for n, t in d.items():
+                    if isinstance(t, torch.Tensor) and not t.is_meta and t.numel():
+                        out[f"{prefix}:{mname}.{n}"] = t.detach().contiguous().cpu().clone()
             if id(mod) in seen:
                 continue
             seen.add(id(mod))

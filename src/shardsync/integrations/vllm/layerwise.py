@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...plan.coverage import check_coverage
-from ...errors import CoverageError, PlanError, UnsupportedLoaderOp
+from ...errors import CoverageError, PlanError, SyncError, UnsupportedLoaderOp
 from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
@@ -118,8 +118,13 @@ def check_processing(model: nn.Module, vllm_config, plan: Plan, *, rank: int,
         raise PlanError(f"rank {rank}: {e}") from None
     if not validate:
         return aliases, {}
-    with vllm_context(vllm_config), checkpoint_format(model) as live:
-        reports = validate_processing(model, [*written, *aliases], live, dtype=vllm_config.model_config.dtype)
+    try:
+        with vllm_context(vllm_config), checkpoint_format(model) as live:
+            reports = validate_processing(model, [*written, *aliases], live, dtype=vllm_config.model_config.dtype)
+    except (PlanError, SyncError) as e:
+        raise PlanError(f"rank {rank}: processing check: {e}") from None
+    except Exception as e:  # a layer's processing fails on random checkpoint-format data
+        raise PlanError(f"rank {rank}: processing check failed: {type(e).__name__}: {e}") from e
     return aliases, reports
 
 

@@ -38,6 +38,9 @@ def kind_of(layer: nn.Module) -> str:
     qm = getattr(layer, "quant_method", None)
     sig = ",".join(f"{n}:{t.dim()}d" for n, t in sorted(TensorSnapshot.of(layer).tensors().items()))
     base = f"{type(layer).__name__}/{type(qm).__name__}" if qm is not None else type(layer).__name__
+    scheme = getattr(layer, "scheme", None)  # compressed-tensors delegates processing to a per-layer scheme
+    if scheme is not None:
+        base += f"/{type(scheme).__name__}"
     return f"{base}[{sig}]"
 
 
@@ -275,7 +278,16 @@ def _same(a: list[torch.Tensor] | None, b: list[torch.Tensor] | None) -> bool:
 
 
 def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in TensorSnapshot.of(layer).tensors().items() if not t.is_meta}
+    """Registered tensors and tensor-valued plain attributes of the layer and its quant method (processing
+    may keep data there, e.g. CPU vLLM's ``_cpu_unpacked_conv_weight``): an in-place copy that leaves one
+    of them stale is caught."""
+    out = {n: t.detach().clone() for n, t in TensorSnapshot.of(layer).tensors().items() if not t.is_meta}
+    qm = getattr(layer, "quant_method", None)
+    for prefix, d in (("attr:", layer.__dict__), ("qm:", getattr(qm, "__dict__", {}))):
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor) and not v.is_meta:
+                out[prefix + k] = v.detach().clone()
+    return out
 
 
 def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.Module, TensorSnapshot], *,
@@ -324,8 +336,8 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
             try:
                 process_fresh(layer, kernel=live[layer].scratch(), mode="inplace", dtype=dtype, name=name)
                 t_in, y_in = _tensors(layer), _probe(layer)
-                inplace_ok = _same(list(t_in.values()), [t_ref.get(n) for n in t_in]) and _same(y_in, y_ref) \
-                    and set(t_in) == set(t_ref)
+                inplace_ok = set(t_in) == set(t_ref) and _same(list(t_in.values()), [t_ref[n] for n in t_in]) \
+                    and _same(y_in, y_ref)
                 if not inplace_ok:
                     detail = "live state after an in-place copy does not compute what a first load computes"
             except SyncError as e:
