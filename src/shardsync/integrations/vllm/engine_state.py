@@ -17,7 +17,7 @@ from torch import nn
 from ...plan.validate import same_bytes
 from .fresh import probe
 
-__all__ = ["inspect_model", "compare", "compare_files", "write_inspection"]
+__all__ = ["inspect_model", "compare", "compare_files", "write_inspection", "is_weight_state"]
 
 
 def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -33,7 +33,7 @@ def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
             qm = getattr(mod, "quant_method", None)  # data processing keeps outside registered tensors
             for prefix, d in (("a", mod.__dict__), ("q", getattr(qm, "__dict__", {}))):
                 for n, t in d.items():
-                    if isinstance(t, torch.Tensor) and not t.is_meta and t.numel():
+                    if is_weight_state(n, t):
                         out[f"{prefix}:{mname}.{n}"] = t.detach().contiguous().cpu().clone()
             if id(mod) in seen:
                 continue
@@ -46,6 +46,12 @@ def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
             for i, y in enumerate(ys or ()):
                 out[f"p:{mname}#{i}"] = y.detach().contiguous().cpu().clone()
     return out
+
+
+def is_weight_state(name: str, t) -> bool:
+    """A tensor kept as a plain attribute that belongs to the weights (not runtime state: KV and SSM caches
+    are bound to attention / Mamba layers as attributes and differ between any two engines)."""
+    return isinstance(t, torch.Tensor) and not t.is_meta and bool(t.numel()) and "cache" not in name.lower()
 
 
 def write_inspection(model: nn.Module, path: str) -> int:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...errors import PlanError, SyncError
+from .engine_state import is_weight_state
 from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
                     set_state)
 
@@ -285,7 +286,7 @@ def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     qm = getattr(layer, "quant_method", None)
     for prefix, d in (("attr:", layer.__dict__), ("qm:", getattr(qm, "__dict__", {}))):
         for k, v in d.items():
-            if isinstance(v, torch.Tensor) and not v.is_meta:
+            if is_weight_state(k, v):
                 out[prefix + k] = v.detach().clone()
     return out
 
