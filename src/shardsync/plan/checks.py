@@ -18,7 +18,7 @@ import torch
 from ..errors import PlanError
 from ..types import FALLBACK_PREFIX, ParamMeta, Plan, Scatter, dtype_of
 from . import opcodec
-from .pack import replay
+from .pack import apply_op, replay
 from .record import VIEW_OPS
 
 __all__ = ["check_plan", "MAX_EXPANSION"]
@@ -108,14 +108,7 @@ def _replay_checked(s: Scatter, full: torch.Tensor, m: ParamMeta, where: str) ->
             _check_index(op.args[1] if len(op.args) > 1 else op.kwargs.get("index"), t.shape[dim], where)
         elif op.name == "__getitem__" and args:
             _check_getitem(op.args[0], t.shape, where)
-        if op.name in ("T", "mT", "data"):
-            t = getattr(t, op.name)
-        elif op.fn:
-            t = getattr(torch, op.name)(t, *args, **kwargs)
-        else:
-            t = getattr(torch.Tensor, op.name)(t, *args, **kwargs)
-        if op.out >= 0:
-            t = t[op.out]
+        t = apply_op(t, op, args, kwargs)
         if t.numel() > bound:
             raise PlanError(f"{where}: op {op.name!r} gives {t.numel()} elements from a source of {m.numel}")
     return t

@@ -93,17 +93,20 @@ def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
         return full.as_strided(v.shape, v.stride, full.storage_offset() + v.offset)
     t = full
     for op in s.ops:
-        args = tuple(_on(opcodec.decode(a), t.device) for a in op.args)
-        kwargs = {k: _on(opcodec.decode(v), t.device) for k, v in op.kwargs.items()}
-        if op.name in ("T", "mT", "data"):
-            t = getattr(t, op.name)
-        elif op.fn:
-            t = getattr(torch, op.name)(t, *args, **kwargs)
-        else:
-            t = getattr(torch.Tensor, op.name)(t, *args, **kwargs)
-        if op.out >= 0:
-            t = t[op.out]
+        t = apply_op(t, op, tuple(_on(opcodec.decode(a), t.device) for a in op.args),
+                     {k: _on(opcodec.decode(v), t.device) for k, v in op.kwargs.items()})
     return t
+
+
+def apply_op(t: torch.Tensor, op, args: tuple, kwargs: dict) -> torch.Tensor:
+    """One recorded op on ``t`` with decoded arguments (callers allow-list ``op.name`` first)."""
+    if op.name in ("T", "mT", "data"):
+        t = getattr(t, op.name)
+    elif op.fn:
+        t = getattr(torch, op.name)(t, *args, **kwargs)
+    else:
+        t = getattr(torch.Tensor, op.name)(t, *args, **kwargs)
+    return t[op.out] if op.out >= 0 else t
 
 
 def _on(x, device: torch.device):
