@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import opcodec
+from .fallback import find_fallback, param_written
 from ..errors import PlanError, UnsupportedLoaderOp
 from .groups import group_order, weight_group
 from ..types import (DestParam, Fallback, Fill, GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, dtype_name,
@@ -158,35 +159,11 @@ class _DestWatch(TorchDispatchMode):
         self.recorder, self.storages = recorder, storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        schema = func._schema
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write and i < len(args):
-                t = args[i]
-                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage()._cdata in self.storages:
-                    self.recorder.on_dest_write(func, t, args)
-                    return t
-        return func(*args, **kwargs)
-
-
-class _WriteCollector(TorchDispatchMode):
-    """Which parameters a loader writes when given a plain meta tensor (values never computed)."""
-
-    def __init__(self, resolve: DestinationResolver, storages: set[int]):
-        super().__init__()
-        self.resolve, self.storages, self.written = resolve, storages, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write and i < len(args):
-                t = args[i]
-                if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage()._cdata in self.storages:
-                    hit = self.resolve(t)
-                    if hit is not None:
-                        self.written.add(hit[0])
-                    return t
-        return func(*args, **kwargs)
+        t = param_written(func, args, self.storages)
+        if t is not None:
+            self.recorder.on_dest_write(func, t, args)
+            return t
+        return func(*args, **(kwargs or {}))
 
 
 class RecordingTensor(torch.Tensor):
@@ -336,7 +313,7 @@ def record_plan(
         except UnsupportedLoaderOp as e:
             if not allow_fallback or e.tensor not in by_name or any(f.src == e.tensor for f in fallbacks):
                 raise
-            fallbacks.append(_fallback(by_name[e.tensor], load_weights, resolve, storages, str(e), rank))
+            fallbacks.append(find_fallback(by_name[e.tensor], load_weights, resolve, storages, str(e), rank))
             skip = {f.src for f in fallbacks}
             if given and given[-1].name == e.tensor:  # a lazy loader: what it took before is recorded
                 recorder.drop(e.tensor)
@@ -347,23 +324,6 @@ def record_plan(
                 todo = [m for m in metadata if m.name not in skip]
     return build_plan(recorder.scatters, metadata, consumer=consumer, group_of=group_of,
                       dests=tuple(recorder.dests.values()), fills=recorder.fills, fallbacks=fallbacks)
-
-
-def _fallback(meta: ParamMeta, load_weights: Callable, resolve: DestinationResolver, storages: set[int],
-              reason: str, rank: int | None) -> Fallback:
-    collector = _WriteCollector(resolve, storages)
-    full = torch.empty(meta.shape, dtype=dtype_of(meta.dtype), device="meta")
-    try:
-        with collector:
-            load_weights([(meta.name, full)])
-    except Exception as e:  # e.g. the loader reads values (.item(), bool(t.any())): no meta dry run possible
-        raise UnsupportedLoaderOp(tensor=meta.name, op="fallback dry run", chain="", rank=rank,
-                                  detail=f"{reason}; and on a plain meta tensor the loader fails: "
-                                         f"{type(e).__name__}: {e}") from None
-    if not collector.written:
-        raise PlanError(f"checkpoint tensor {meta.name!r} cannot be recorded ({reason}) and its loader writes no "
-                        "parameter on a meta tensor either: no fallback is possible")
-    return Fallback(src=meta.name, dests=tuple(sorted(collector.written)), reason=reason)
 
 
 def build_plan(scatters: Sequence[Scatter], metadata: Sequence[ParamMeta], *, consumer: str = "",

@@ -10,7 +10,6 @@ Every sync is checked bit-exact against the consumers' own loaders.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import statistics
 import sys

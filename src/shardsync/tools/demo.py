@@ -6,7 +6,6 @@ in-process loopback sync; each rank receives only the bytes it keeps.
 
 from __future__ import annotations
 
-import json
 
 
 from .output import emit_json

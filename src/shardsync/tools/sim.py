@@ -43,7 +43,6 @@ schedule one producer can carry several plans' share of the same layer while its
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from typing import Any

@@ -8,7 +8,6 @@ checkpoint of the same weights (every tensor after processing, kernel outputs on
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time

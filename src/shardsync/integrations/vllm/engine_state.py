@@ -17,7 +17,7 @@ from torch import nn
 from ...plan.validate import same_bytes
 from .fresh import probe
 
-__all__ = ["inspect_model", "compare", "compare_files", "write_inspection", "is_weight_state"]
+__all__ = ["inspect_model", "compare", "compare_files", "write_inspection", "is_weight_state", "weight_state_attrs"]
 
 
 def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -30,11 +30,9 @@ def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
                     continue
                 key = f"t:{mname}.{n}" if mname else f"t:{n}"
                 out[key] = t.detach().contiguous().cpu().clone()
-            qm = getattr(mod, "quant_method", None)  # data processing keeps outside registered tensors
-            for prefix, d in (("a", mod.__dict__), ("q", getattr(qm, "__dict__", {}))):
-                for n, t in d.items():
-                    if is_weight_state(n, t):
-                        out[f"{prefix}:{mname}.{n}"] = t.detach().contiguous().cpu().clone()
+            for key, t in weight_state_attrs(mod).items():  # data processing keeps outside registered tensors
+                prefix, n = key.split(":", 1)
+                out[f"{prefix}:{mname}.{n}"] = t.detach().contiguous().cpu().clone()
             if id(mod) in seen:
                 continue
             seen.add(id(mod))
@@ -52,6 +50,14 @@ def is_weight_state(name: str, t) -> bool:
     """A tensor kept as a plain attribute that belongs to the weights (not runtime state: KV and SSM caches
     are bound to attention / Mamba layers as attributes and differ between any two engines)."""
     return isinstance(t, torch.Tensor) and not t.is_meta and bool(t.numel()) and "cache" not in name.lower()
+
+
+def weight_state_attrs(mod: nn.Module) -> dict[str, torch.Tensor]:
+    """Weight-state tensors kept as plain attributes of ``mod`` (``a:<name>``) and of its quant method
+    (``q:<name>``)."""
+    qm = getattr(mod, "quant_method", None)
+    return {f"{prefix}:{n}": t for prefix, d in (("a", mod.__dict__), ("q", getattr(qm, "__dict__", {})))
+            for n, t in d.items() if is_weight_state(n, t)}
 
 
 def write_inspection(model: nn.Module, path: str) -> int:

@@ -31,7 +31,7 @@ from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
 from .fresh import TensorSnapshot, fresh_state
-from .processor import find_aliases, validate_processing
+from .processor import find_aliases, restore_live, validate_processing
 
 __all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context"]
 
@@ -80,15 +80,8 @@ def checkpoint_format(model: nn.Module) -> Iterator[dict[nn.Module, TensorSnapsh
         _unwrap_loaders(model)
         yield live
     finally:
-        for layer, snap in live.items():
-            snap.place(layer)
-            info = layerwise.LAYERWISE_INFO.get(layer)
-            if info is not None:
-                info.reset()
-        if hasattr(model, "_original_do_torchao_reload"):
-            model._do_torchao_reload = model._original_do_torchao_reload
+        restore_live(model, live)
         _unwrap_loaders(model)
-        layerwise.LOADING_LAYERS.clear()
 
 
 def written_modules(plan: Plan) -> list[str]:

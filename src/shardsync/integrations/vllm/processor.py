@@ -25,11 +25,11 @@ import torch
 from torch import nn
 
 from ...errors import PlanError, SyncError
-from .engine_state import is_weight_state
+from .engine_state import weight_state_attrs
 from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
                     set_state)
 
-__all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "validate_processing"]
+__all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "restore_live", "validate_processing"]
 
 
 def kind_of(layer: nn.Module) -> str:
@@ -73,6 +73,21 @@ def _dispatch(layer: nn.Module, info: Any) -> None:
     if proc is None:
         return _ORIGINAL[0](layer, info)
     return proc.process(layer, info)
+
+
+def restore_live(model: nn.Module, live: dict[nn.Module, TensorSnapshot], keep: set[nn.Module] = frozenset()) -> None:
+    """Close vLLM's layerwise reload on ``model``: every module (but those in ``keep``) gets its exact
+    snapshot back, every layer's reload state is cleared, torchao reloading is put back."""
+    layerwise, _ = _reload()
+    for m, snap in live.items():
+        info = layerwise.LAYERWISE_INFO.get(m)
+        if info is not None:
+            info.reset()
+        if m not in keep:
+            snap.place(m)
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    layerwise.LOADING_LAYERS.clear()
 
 
 def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str, tuple[str, str]]]:
@@ -147,20 +162,11 @@ class FreshProcessor:
     def end(self) -> None:
         """After vLLM's ``finalize_layerwise_reload``, or to abort a window: every module not rebound gets
         its exact live tensor slots back, vLLM's per-layer reload state is cleared."""
-        layerwise, _ = _reload()
         with _LOCK:
             for m in self.live:
                 if _OPEN.get(m) is self:
                     del _OPEN[m]
-        for m, snap in self.live.items():
-            info = layerwise.LAYERWISE_INFO.get(m)
-            if info is not None:
-                info.reset()
-            if m not in self.rebound:
-                snap.place(m)
-        if hasattr(self.model, "_original_do_torchao_reload"):
-            self.model._do_torchao_reload = self.model._original_do_torchao_reload
-        layerwise.LOADING_LAYERS.clear()
+        restore_live(self.model, self.live, keep=self.rebound)
         self._inputs.clear()
         self.open = False
 
@@ -283,11 +289,7 @@ def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     may keep data there, e.g. CPU vLLM's ``_cpu_unpacked_conv_weight``): an in-place copy that leaves one
     of them stale is caught."""
     out = {n: t.detach().clone() for n, t in TensorSnapshot.of(layer).tensors().items() if not t.is_meta}
-    qm = getattr(layer, "quant_method", None)
-    for prefix, d in (("attr:", layer.__dict__), ("qm:", getattr(qm, "__dict__", {}))):
-        for k, v in d.items():
-            if is_weight_state(k, v):
-                out[prefix + k] = v.detach().clone()
+    out.update({k: v.detach().clone() for k, v in weight_state_attrs(layer).items()})
     return out
 
 
