@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     b.add_argument("--syncs", type=int, default=3)
     b.add_argument("--json", action="store_true")
+    c = sub.add_parser("chaos", help="random real faults (kill -9, SIGSTOP, producer death, forged plans, bad frames) "
+                                     "while syncs go on; every sync checked byte for byte")
+    c.add_argument("--kills", type=int, default=20, help="number of faults (one before each sync)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--lease", type=float, default=2.0, help="lease seconds (the detection bound)")
+    c.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    c.add_argument("--json", action="store_true")
     sm = sub.add_parser("simulate", help="the real planner/router at cluster scale on meta tensors: SoL and predicted time")
     sm.add_argument("--preset", choices=["kimi-k2-48n", "qwen3-235b-4n"])
     sm.add_argument("--config", help="HF config.json of the model")
@@ -98,6 +105,18 @@ def _run(args: argparse.Namespace) -> int:
             r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
                           transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
+    if args.cmd == "chaos":
+        from .tools.chaos import KINDS, run_chaos
+
+        kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            print(f"shardsync chaos: unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}", file=sys.stderr)
+            return 2
+        r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
+        bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
+            r["unexpected_failures"] or r["lost_bytes"]
+        return 1 if bad else 0
     if args.cmd == "simulate":
         from .tools.sim import run_simulate
 

@@ -43,3 +43,23 @@ class TransportError(ShardsyncError):
 
 class SyncError(ShardsyncError):
     """A sync could not be applied (bad input tensor, wrong version, missing data)."""
+
+
+class AuthError(TransportError):
+    """A peer presented a wrong token, or a session credential that is not its own."""
+
+
+class ConsumerDropped(SyncError):
+    """A consumer was dropped from a sync (lease expired, it abandoned, or its session was replaced)."""
+
+
+class ProducerLost(SyncError):
+    """A producer (trainer rank) died or stopped answering during a sync; engines keep their last complete version."""
+
+
+class NotMember(SyncError):
+    """A consumer asked for a version whose membership was fixed before it (re)joined: it gets the next one."""
+
+
+class ChecksumError(TransportError):
+    """A pulled chunk's checksum differs from the one its producer computed (silent corruption caught)."""

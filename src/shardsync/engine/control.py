@@ -1,32 +1,37 @@
 """Control plane: small request/response messages over TCP, msgpack-encoded (never pickle).
 
-Every request carries the shared token, checked before it is handled; servers bind to the
-interface they are given. A request that gets no answer within its timeout raises TransportError
-naming the peer and the request::
+A connection authenticates once with the shared token before any frame is read (``wire.py``);
+frames are size-limited before allocation; consumers additionally carry the per-consumer session
+credential the coordinator issued at ``Hello`` on every message that acts for them (release,
+abandon, goodbye, renew). Servers bind to the interface they are given, time out idle and
+half-open connections, and log (never swallow silently) anything that ends a serving thread.
+A request that gets no answer within its timeout raises TransportError naming the peer and the
+request; a client whose connection broke reconnects on its next call::
 
     server = ControlServer("127.0.0.1", 0, token, handler)     # handler(msg) -> reply message
     client = ControlClient(server.address, token, peer="producer 0")
-    reply = client.call(Released(consumer="r0/tp1", version=3, group="model.layers.7"), timeout_s=30)
+    reply = client.call(Released(consumer="r0/tp1", session=s, version=3, group="model.layers.7"), timeout_s=30)
 """
 
 from __future__ import annotations
 
-import hmac
+import logging
 import socket
-import struct
 import threading
+from collections import defaultdict
 from typing import Any, Callable, Union
 
 import msgspec
 
-from ..errors import ShardsyncError, TransportError
-from ..transport.tcp import recv_exact
+from ..errors import AuthError, ShardsyncError, TransportError
+from .wire import DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, recv_frame, send_frame
 
 __all__ = ["ControlServer", "ControlClient", "Msg"]
+log = logging.getLogger("shardsync.control")
 
 
 class _M(msgspec.Struct, tag=True, kw_only=True):
-    token: str = ""
+    pass
 
 
 class Ack(_M):
@@ -38,35 +43,20 @@ class Fail(_M):
     kind: str = "ShardsyncError"
 
 
-class Join(_M):  # producer -> coordinator
+# ---------------------------------------------------------------- producers <-> coordinator
+class Join(_M):
     rank: int
     address: list[Any]
     held: list[str] | None
     meta_digest: str
 
 
-class Hello(_M):  # consumer -> coordinator
-    consumer: str
+class Joined(_M):
+    incarnation: int
+    """Bumped each time this rank (re)joins: a restarted producer replaces its dead predecessor."""
 
 
-class TransferMeta(_M):
-    metadata: list[dict[str, Any]]
-    held: list[list[str] | None]
-    max_chunk_bytes: int
-
-
-class RegisterPlan(_M):  # consumer -> coordinator
-    consumer: str
-    plan: bytes
-
-
-class Routes(_M):
-    routes: dict[str, list[int]]
-    producers: list[dict[str, Any]]
-    """[{"rank", "address", "desc"}] for every producer."""
-
-
-class GetAssignments(_M):  # producer -> coordinator
+class GetAssignments(_M):
     rank: int
 
 
@@ -75,147 +65,292 @@ class Assignments(_M):
     """Names each producer holds (None = all), by producer rank."""
     plans: list[bytes]
     routes: dict[str, dict[str, list[int]]]
-    consumers: dict[str, list[str]]
-    """plan digest -> consumer ids using it."""
+    epoch: int
+    """Bumped whenever a plan digest is routed after init (a rejoiner with a new plan)."""
 
 
-class ProducerReady(_M):  # producer -> coordinator, after registering its ring
+class ProducerReady(_M):  # after (re-)registering its ring, at init (version -1) and at every sync
     rank: int
+    incarnation: int
+    version: int
     desc: dict[str, Any]
 
 
-class WaitReady(_M):  # consumer -> producer
+class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
+    rank: int
+    version: int
+    reason: str
+
+
+# ---------------------------------------------------------------- consumers <-> coordinator
+class Hello(_M):
     consumer: str
+
+
+class Welcome(_M):
+    session: str
+    """This consumer's credential: every later message acting for it must carry it."""
+    metadata: list[dict[str, Any]]
+    held: list[list[str] | None]
+    max_chunk_bytes: int
+    lease_s: float
+
+
+class InitFailed(_M):
+    consumer: str
+    session: str
+    reason: str
+
+
+class RegisterPlan(_M):
+    consumer: str
+    session: str
+    plan: bytes
+
+
+class Routes(_M):
+    routes: dict[str, list[int]]
+
+
+class BeginSync(_M):  # from a producer (rank >= 0) or a consumer (consumer != "")
+    version: int
+    rank: int = -1
+    incarnation: int = 0
+    consumer: str = ""
+    session: str = ""
+
+
+class SyncView(_M):
+    version: int
+    members: dict[str, list[str]]
+    """consumer -> [plan digest, session]: the consumers this version is served to (fixed at its start)."""
+    epoch: int
+    producers: list[dict[str, Any]]
+    """[{"rank", "incarnation", "address", "desc"}] (filled for consumers; ready for this version)."""
+
+
+class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (rank, incarnation)
+    consumer: str = ""
+    session: str = ""
+    rank: int = -1
+    incarnation: int = 0
+
+
+class Lease(_M):
+    dead: list[list[str]]
+    """[[consumer, session, reason]] of members dropped since init (lease expired, abandoned, replaced)."""
+    dead_producers: dict[int, str]
+    left: list[list[Any]]
+    """[[version, consumer, session, reason]]: consumers that abandoned one version."""
+    failed: dict[int, str]
+    """version -> reason, for versions a producer reported failed."""
+
+
+# ---------------------------------------------------------------- consumers <-> producers
+class WaitReady(_M):
+    consumer: str
+    session: str
     version: int
     group: str
+
+
+class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
+    pass
 
 
 class Ready(_M):
     version: int
     group: str
     chunks: list[list[int]]
-    """[[chunk index, offset in the producer's registered buffer, nbytes], ...] for this consumer's plan."""
+    """[[chunk index, offset in the producer's registered buffer, nbytes, checksum or -1], ...]."""
 
 
-class Released(_M):  # consumer -> producer
+class Released(_M):
     consumer: str
+    session: str
     version: int
     group: str
 
 
-class Goodbye(_M):  # consumer -> producer: leaving (its releases are no longer awaited)
+class Abandon(_M):  # a consumer leaves one version (its engine rejected or failed it): not waited for
     consumer: str
+    session: str
+    version: int
+    reason: str
 
 
-Msg = Union[Ack, Fail, Join, Hello, TransferMeta, RegisterPlan, Routes, GetAssignments, Assignments, ProducerReady,
-            WaitReady, Ready, Released, Goodbye]
+class Goodbye(_M):  # a consumer leaves for good
+    consumer: str
+    session: str
+
+
+Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome, InitFailed,
+            RegisterPlan, Routes, BeginSync, SyncView, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Msg)
-_LEN = struct.Struct("!I")
-
-
-def _send(sock: socket.socket, msg: Msg) -> None:
-    data = _enc.encode(msg)
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv(sock: socket.socket) -> Msg:
-    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
-    return _dec.decode(recv_exact(sock, n))
 
 
 class ControlServer:
-    """Threaded server: one thread per connection, ``handler(msg)`` may block (bounded by its own timeouts)."""
+    """Threaded server: one thread per connection, ``handler(msg)`` may block (bounded by its own timeouts).
 
-    def __init__(self, host: str, port: int, token: str, handler: Callable[[Msg], Msg]):
-        self.token, self.handler = token, handler
+    ``idle_timeout_s`` closes a connection that sends nothing for that long (clients reconnect);
+    an unauthenticated connection gets ``auth_timeout_s``. ``inflight()`` counts requests being handled
+    or answered, so an owner can let its last replies go out before it closes."""
+
+    def __init__(self, host: str, port: int, token: str, handler: Callable[[Msg], Msg], *,
+                 advertise_host: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
+                 idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0, name: str = "control"):
+        self.token, self.handler, self.name = token, handler, name
+        self.max_frame_bytes, self.idle_timeout_s, self.auth_timeout_s = max_frame_bytes, idle_timeout_s, auth_timeout_s
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
-        self.address = [host, self._sock.getsockname()[1]]
+        self.address = [advertise_host or host, self._sock.getsockname()[1]]
         self._closed = threading.Event()
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, name="shardsync-control", daemon=True).start()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._inflight: dict[str, int] = defaultdict(int)
+        self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0}
+        self.handler_errors = 0
+        self._thread = threading.Thread(target=self._accept, name=f"shardsync-{name}-accept", daemon=True)
+        self._thread.start()
+
+    def inflight(self, *kinds: str) -> int:
+        """Requests (of these message kinds, or of any) being handled or answered right now."""
+        with self._lock:
+            return sum(n for k, n in self._inflight.items() if not kinds or k in kinds)
 
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
+            except socket.timeout:
                 continue
-            self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            except OSError:
+                if not self._closed.is_set():
+                    log.exception("%s: accept failed; server stops", self.name)
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # half-open peers are found by the OS
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"shardsync-{self.name}-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(None)
+        try:
+            conn.settimeout(self.auth_timeout_s)
+            if not handshake_server(conn, self.token):
+                self.refused["token"] += 1
+                return
+            conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
                 try:
-                    msg = _recv(conn)
-                except (ConnectionError, OSError, msgspec.DecodeError):
+                    msg = _dec.decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes))
+                except FrameTooLarge as e:
+                    self.refused["frame"] += 1
+                    log.warning("%s: %s; connection closed", self.name, e)
                     return
-                if not hmac.compare_digest(msg.token, self.token):
-                    reply: Msg = Fail(error="bad token", kind="TransportError")
-                else:
-                    try:
-                        reply = self.handler(msg)
-                    except ShardsyncError as e:
-                        reply = Fail(error=str(e), kind=type(e).__name__)
-                    except Exception as e:  # never let a handler bug kill the connection silently
-                        reply = Fail(error=f"{type(e).__name__}: {e}", kind="ShardsyncError")
+                except msgspec.DecodeError as e:
+                    self.refused["decode"] += 1
+                    log.warning("%s: undecodable frame (%s); connection closed", self.name, e)
+                    return
+                kind = type(msg).__name__
+                with self._lock:
+                    self._inflight[kind] += 1
                 try:
-                    _send(conn, reply)
-                except OSError:
-                    return
+                    reply = self._handle(msg)
+                    send_frame(conn, _enc.encode(reply))
+                finally:
+                    with self._lock:
+                        self._inflight[kind] -= 1
+        except (ConnectionError, socket.timeout, OSError):
+            return  # peer gone, idle, or server closing: nothing of ours was lost
+        except Exception:  # a bug in this server: say so, never die silently
+            log.exception("%s: serving thread failed", self.name)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _handle(self, msg: Msg) -> Msg:
+        try:
+            return self.handler(msg)
+        except ShardsyncError as e:
+            return Fail(error=str(e), kind=type(e).__name__)
+        except Exception as e:  # a handler bug: the caller gets it, and the log has the traceback
+            self.handler_errors += 1
+            log.exception("%s: handler failed on %s", self.name, type(msg).__name__)
+            return Fail(error=f"{type(e).__name__}: {e}", kind="ShardsyncError")
 
     def close(self) -> None:
         self._closed.set()
         self._sock.close()
-        for c in self._conns:
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self._thread.join(timeout=2)
 
 
 class ControlClient:
-    """One connection to one server; ``call`` is serialised per client."""
+    """One connection to one server; ``call`` is serialised per client. A broken connection is never
+    reused (a late reply could be read as another call's answer): the next call reconnects."""
 
-    def __init__(self, address: list[Any], token: str, *, peer: str, connect_timeout_s: float = 30.0):
-        self.token, self.peer = token, peer
-        try:
-            self._sock = socket.create_connection((address[0], int(address[1])), timeout=connect_timeout_s)
-        except OSError as e:
-            raise TransportError(f"cannot reach {peer} at {address[0]}:{address[1]}: {e}") from None
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def __init__(self, address: list[Any], token: str, *, peer: str, connect_timeout_s: float = 30.0,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME):
+        self.address, self.token, self.peer = list(address), token, peer
+        self.connect_timeout_s, self.max_frame_bytes = connect_timeout_s, max_frame_bytes
         self._lock = threading.Lock()
-        self._broken = ""
+        self._sock: socket.socket | None = None
+        with self._lock:
+            self._connect()
 
-    def _break(self, why: str) -> None:
-        self._broken = why
+    def _connect(self) -> socket.socket:
         try:
-            self._sock.close()
-        except OSError:
-            pass
+            s = socket.create_connection((self.address[0], int(self.address[1])), timeout=self.connect_timeout_s)
+        except OSError as e:
+            raise TransportError(f"cannot reach {self.peer} at {self.address[0]}:{self.address[1]}: {e}") from None
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            handshake_client(s, self.token, self.peer)
+        except AuthError:
+            s.close()
+            raise
+        except (OSError, ConnectionError) as e:
+            s.close()
+            raise TransportError(f"{self.peer} closed the connection during the handshake: {e}") from None
+        self._sock = s
+        return s
+
+    def _break(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = None
 
     def call(self, msg: Msg, *, timeout_s: float) -> Msg:
-        msg.token = self.token
         with self._lock:
-            if self._broken:  # a late reply may still be in flight: never read it as another call's answer
-                raise TransportError(f"connection to {self.peer} is broken after an earlier failure ({self._broken})")
+            sock = self._sock or self._connect()
             try:
-                self._sock.settimeout(timeout_s)
-                _send(self._sock, msg)
-                reply = _recv(self._sock)
+                sock.settimeout(timeout_s)
+                send_frame(sock, _enc.encode(msg))
+                reply = _dec.decode(recv_frame(sock, max_frame_bytes=self.max_frame_bytes))
             except socket.timeout:
-                self._break(f"{type(msg).__name__} timed out")
+                self._break()
                 raise TransportError(f"{self.peer} did not answer {type(msg).__name__} within {timeout_s} s") from None
             except (OSError, ConnectionError, msgspec.DecodeError) as e:
-                self._break(f"{type(msg).__name__}: {e}")
+                self._break()
                 raise TransportError(f"{self.peer} is unreachable ({type(msg).__name__}): {e}") from None
         if isinstance(reply, Fail):
             from .. import errors
 
             cls = getattr(errors, reply.kind, ShardsyncError)
+            if not (isinstance(cls, type) and issubclass(cls, ShardsyncError)):
+                cls = ShardsyncError
             try:
                 err = cls(f"{self.peer}: {reply.error}")
             except TypeError:  # errors with keyword-only constructors travel as their base class
@@ -224,7 +359,10 @@ class ControlClient:
         return reply
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        s = self._sock  # no lock: a call blocked in recv must be interrupted, not waited for
+        if s is not None:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()

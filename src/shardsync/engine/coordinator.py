@@ -1,11 +1,21 @@
-"""Init-time coordination, hosted by producer rank 0 inside its control server.
+"""Coordination, hosted by producer 0 inside its control server: init, membership, each version's start.
 
-Order of events (each wait bounded by ``timeout_s``):
+Init (each wait bounded by ``init_timeout_s`` and naming who is missing):
+
 1. every producer ``Join``s with its address, held names and metadata digest (all must agree);
-2. consumers say ``Hello`` and get the transfer metadata once all producers joined;
-3. consumers ``RegisterPlan``; when all expected consumers have, routes are computed (``route.py``);
-4. producers fetch their ``Assignments``, allocate and register their rings, report ``ProducerReady``;
-5. consumers get their ``Routes`` (and every producer's transport descriptor).
+2. consumers say ``Hello`` (session credential, lease starts) and get the transfer metadata once all
+   producers joined; they record their plans and ``RegisterPlan`` (checked: ops allow-listed, views in
+   bounds, sizes bounded by the model — a forged plan is refused naming the consumer);
+3. routes are computed once all ``n_consumers`` registered, or once ``min_consumers`` did and
+   ``join_grace_s`` passed; a consumer that fails to start (``InitFailed``, or its lease expires before
+   it registers) fails init at once when the quorum can no longer be reached;
+4. producers fetch their ``Assignments``, allocate and register their rings, report ``ProducerReady``.
+
+After init, a consumer that (re)joins is routed on registration (a known plan digest reuses its
+routes; a new one is routed against the current load and bumps the assignment ``epoch``, which
+producers pick up at their next sync). Every version starts with ``BeginSync``: its member set is
+fixed then (``membership.py``); a consumer's ``BeginSync`` returns once the producers it pulls from
+have reported ready for that version (their current address and transport descriptor).
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 from . import control as m
-from ..errors import MetadataMismatch, PlanError, TransportError
+from .membership import Membership
+from ..errors import MetadataMismatch, NotMember, PlanError, ProducerLost, SyncError, TransportError
 from ..plan.checks import check_plan
 from ..plan.route import holders_from_ownership, route_plans
 from ..types import ParamMeta, Plan, metadata_digest
@@ -24,17 +35,21 @@ from ..types import ParamMeta, Plan, metadata_digest
 
 class Coordinator:
     def __init__(self, *, metadata: Sequence[ParamMeta], n_producers: int, n_consumers: int,
-                 max_chunk_bytes: int, timeout_s: float):
+                 max_chunk_bytes: int, timeout_s: float, init_timeout_s: float, lease_s: float,
+                 min_consumers: int | None = None, join_grace_s: float = 30.0):
         self.metadata = list(metadata)
         self.digest = metadata_digest(self.metadata)
         self.n_producers, self.n_consumers = n_producers, n_consumers
-        self.max_chunk_bytes, self.timeout_s = max_chunk_bytes, timeout_s
+        self.min_consumers = n_consumers if min_consumers is None else min_consumers
+        self.max_chunk_bytes, self.timeout_s, self.init_timeout_s = max_chunk_bytes, timeout_s, init_timeout_s
+        self.join_grace_s, self.lease_s = join_grace_s, lease_s
+        self.ms = Membership(lease_s=lease_s)
         self.cv = threading.Condition()
-        self.producers: dict[int, dict[str, Any]] = {}
-        self.plans: dict[str, Plan] = {}  # consumer -> plan
+        self.t_start = time.monotonic()
+        self.plans: dict[str, Plan] = {}  # digest -> plan
         self.routes: dict[str, dict[str, list[int]]] | None = None
         self.load: dict[int, int] = {}
-        self.descs: dict[int, dict[str, Any]] = {}
+        self.epoch = 0
         self.failed: Exception | None = None
 
     def fail(self, err: Exception) -> Exception:
@@ -44,86 +59,191 @@ class Coordinator:
             self.cv.notify_all()
         return err
 
-    def _wait(self, pred: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        with self.cv:
-            while not pred():
-                if self.failed is not None:  # one peer's failure is everyone's, at once
-                    raise self.failed
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportError(f"coordinator: timed out after {self.timeout_s} s waiting for {what}")
-                self.cv.wait(left)
+    def _wait(self, pred: Callable[[], bool], what: Callable[[], str], timeout_s: float, *, init: bool) -> None:
+        """Wait (holding ``cv``) until ``pred``; leases are checked and init routing retried while waiting."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.ms.expire()
+            if init:
+                self._maybe_route()
+            if pred():
+                return
+            if init and self.failed is not None:  # one peer's init failure is everyone's, at once
+                raise self.failed
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(f"coordinator: timed out after {timeout_s} s waiting for {what()}")
+            self.cv.wait(min(left, 0.25))
 
     def holders(self) -> dict[str, tuple[int, ...]]:
-        held = [self.producers[p]["held"] for p in range(self.n_producers)]
+        held = [self.ms.producers[p].held for p in range(self.n_producers)]
         return holders_from_ownership(held, [x.name for x in self.metadata])
 
-    def handle(self, msg: m.Msg) -> m.Msg | None:
-        if isinstance(msg, m.Join):
-            if msg.meta_digest != self.digest:
-                raise self.fail(MetadataMismatch(
-                    f"producer {msg.rank} describes metadata {msg.meta_digest[:12]}, producer 0 {self.digest[:12]}: "
-                    "all trainer ranks must list the same tensors in order"))
-            with self.cv:
-                self.producers[msg.rank] = {"address": msg.address, "held": msg.held}
-                self.cv.notify_all()
-            return m.Ack()
-        if isinstance(msg, m.Hello):
-            self._wait(lambda: len(self.producers) == self.n_producers,
-                       f"{self.n_producers} producers to join (have {sorted(self.producers)})")
-            return m.TransferMeta(metadata=[x.to_dict() for x in self.metadata],
-                                  held=[self.producers[p]["held"] for p in range(self.n_producers)],
-                                  max_chunk_bytes=self.max_chunk_bytes)
-        if isinstance(msg, m.RegisterPlan):
-            plan = Plan.from_json(msg.plan)
-            plan.verify_digest()
-            if plan.meta_digest != self.digest:
-                raise self.fail(MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata"))
-            if plan.consumer != msg.consumer:
-                raise PlanError(f"consumer {msg.consumer!r} registered a plan labelled {plan.consumer!r}")
-            try:  # ops allow-listed, chains replay in bounds: before anything acts on it
-                check_plan(plan, self.metadata)
-            except PlanError as e:  # membership is fixed: the others would wait for this consumer in vain
-                raise self.fail(e) from None
-            with self.cv:
-                if msg.consumer in self.plans or self.routes is not None:
-                    raise MetadataMismatch(f"consumer {msg.consumer!r}: registration refused (duplicate id, or "
-                                           f"routes were already computed for {self.n_consumers} consumers)")
-                self.plans[msg.consumer] = plan
-                if len(self.plans) == self.n_consumers and self.routes is None:
-                    try:
-                        self._compute_routes()
-                    except Exception as e:
-                        raise self.fail(e) from None
-                self.cv.notify_all()
-            self._wait(lambda: len(self.descs) == self.n_producers,
-                       f"{self.n_consumers} consumers to register plans (have {len(self.plans)}) and "
-                       f"{self.n_producers} producers to register buffers (have {len(self.descs)})")
-            assert self.routes is not None  # internal invariant: _wait returned after routing
-            return m.Routes(routes=self.routes[plan.digest], producers=[
-                {"rank": p, "address": self.producers[p]["address"], "desc": self.descs[p]}
-                for p in range(self.n_producers)])
-        if isinstance(msg, m.GetAssignments):
-            self._wait(lambda: self.routes is not None,
-                       f"{self.n_consumers} consumers to register plans (have {len(self.plans)})")
-            assert self.routes is not None
-            by_digest: dict[str, list[str]] = defaultdict(list)
-            for c, p in sorted(self.plans.items()):
-                by_digest[p.digest].append(c)
-            plans = {p.digest: p for p in self.plans.values()}
-            return m.Assignments(held=[self.producers[p]["held"] for p in range(self.n_producers)], plans=[plans[d].to_json() for d in sorted(plans)], routes=self.routes,
-                                 consumers=dict(by_digest))
-        if isinstance(msg, m.ProducerReady):
-            with self.cv:
-                self.descs[msg.rank] = msg.desc
-                self.cv.notify_all()
-            return m.Ack()
-        return None
+    def _missing(self) -> str:
+        reg = sorted(c for c, e in self.ms.consumers.items() if e.digest is not None)
+        rec = sorted(c for c, e in self.ms.consumers.items() if e.digest is None)
+        unseen = max(0, self.n_consumers - len(reg) - len(rec) - len(self.ms.failed_init))
+        return (f"consumers to register plans: need {self.n_consumers} (quorum {self.min_consumers}); registered "
+                f"{reg}; recording {rec}; failed {self.ms.failed_init}; not heard from: {unseen}")
 
-    def _compute_routes(self) -> None:
-        plans = {p.digest: p for p in self.plans.values()}
+    def _maybe_route(self) -> None:
+        if self.routes is not None or self.failed is not None or len(self.ms.producers) < self.n_producers:
+            return
+        reg = {c: e.digest for c, e in self.ms.consumers.items() if e.digest is not None}
+        possible = self.n_consumers - len(self.ms.failed_init)
+        if possible < self.min_consumers:
+            self.failed = SyncError(f"coordinator: init cannot reach its quorum of {self.min_consumers} consumers: "
+                                    + "; ".join(f"{c} failed: {r}" for c, r in sorted(self.ms.failed_init.items())))
+            self.cv.notify_all()
+            return
+        grace = time.monotonic() - self.t_start >= self.join_grace_s
+        if len(reg) < self.n_consumers and not (grace and len(reg) >= self.min_consumers):
+            return
         count: dict[str, int] = defaultdict(int)
-        for p in self.plans.values():
-            count[p.digest] += 1
-        self.routes, self.load = route_plans(plans, self.holders(), count, max_chunk_bytes=self.max_chunk_bytes)
+        for d in reg.values():
+            count[d] += 1
+        try:
+            self.routes, self.load = route_plans(self.plans, self.holders(), count, max_chunk_bytes=self.max_chunk_bytes)
+        except Exception as e:
+            self.failed = e
+        self.cv.notify_all()
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, msg: m.Msg) -> m.Msg | None:
+        h = getattr(self, f"_on_{type(msg).__name__}", None)
+        return None if h is None else h(msg)
+
+    def _on_Join(self, msg: m.Join) -> m.Msg:
+        if msg.meta_digest != self.digest:
+            raise self.fail(MetadataMismatch(
+                f"producer {msg.rank} describes metadata {msg.meta_digest[:12]}, producer 0 {self.digest[:12]}: "
+                "all trainer ranks must list the same tensors in order"))
+        if not 0 <= msg.rank < self.n_producers:
+            raise MetadataMismatch(f"producer rank {msg.rank} is outside 0..{self.n_producers - 1}")
+        with self.cv:
+            inc = self.ms.join(msg.rank, msg.address, msg.held)
+            self.cv.notify_all()
+        return m.Joined(incarnation=inc)
+
+    def _on_Renew(self, msg: m.Renew) -> m.Msg:
+        with self.cv:
+            if msg.consumer:
+                self.ms.renew_consumer(msg.consumer, msg.session)
+            else:
+                self.ms.renew_producer(msg.rank, msg.incarnation)
+            return m.Lease(**self.ms.lease_view())
+
+    def _on_Hello(self, msg: m.Hello) -> m.Msg:
+        with self.cv:
+            session = self.ms.hello(msg.consumer)
+            self._wait(lambda: len(self.ms.producers) == self.n_producers,
+                       lambda: f"{self.n_producers} producers to join (have {sorted(self.ms.producers)})",
+                       self.init_timeout_s, init=True)
+            held = [self.ms.producers[p].held for p in range(self.n_producers)]
+        return m.Welcome(session=session, metadata=[x.to_dict() for x in self.metadata], held=held,
+                         max_chunk_bytes=self.max_chunk_bytes, lease_s=self.lease_s)
+
+    def _on_InitFailed(self, msg: m.InitFailed) -> m.Msg:
+        with self.cv:
+            self.ms.drop(msg.consumer, msg.session, f"failed to start: {msg.reason}")
+            self._maybe_route()
+            self.cv.notify_all()
+        return m.Ack()
+
+    def _on_RegisterPlan(self, msg: m.RegisterPlan) -> m.Msg:
+        plan = Plan.from_json(msg.plan)
+        plan.verify_digest()
+        if plan.meta_digest != self.digest:
+            raise MetadataMismatch(f"consumer {msg.consumer!r} recorded against other metadata")
+        if plan.consumer != msg.consumer:
+            raise PlanError(f"consumer {msg.consumer!r} registered a plan labelled {plan.consumer!r}")
+        with self.cv:
+            self.ms.check(msg.consumer, msg.session)
+        if plan.digest not in self.plans:
+            check_plan(plan, self.metadata)  # a forged plan is refused here, naming the consumer
+        with self.cv:
+            self.ms.register(msg.consumer, msg.session, plan.digest)
+            if plan.digest not in self.plans:
+                self.plans[plan.digest] = plan
+                if self.routes is not None:  # a rejoiner with a new plan: route it against the current load
+                    self._route_late(plan)
+            self.cv.notify_all()
+            self._wait(lambda: self.routes is not None, self._missing, self.init_timeout_s, init=True)
+            assert self.routes is not None  # internal invariant: _wait returned after routing
+            return m.Routes(routes=self.routes[plan.digest])
+
+    def _route_late(self, plan: Plan) -> None:
+        assert self.routes is not None
+        routes, load = route_plans({plan.digest: plan}, self.holders(), {plan.digest: 1},
+                                   max_chunk_bytes=self.max_chunk_bytes, base_load=self.load)
+        self.routes.update(routes)
+        self.load = load
+        self.epoch += 1
+
+    def _on_GetAssignments(self, msg: m.GetAssignments) -> m.Msg:
+        with self.cv:
+            self._wait(lambda: self.routes is not None, self._missing, self.init_timeout_s, init=True)
+            assert self.routes is not None
+            return m.Assignments(held=[self.ms.producers[p].held for p in range(self.n_producers)],
+                                 plans=[self.plans[d].to_json() for d in sorted(self.routes)],
+                                 routes=dict(self.routes), epoch=self.epoch)
+
+    def _on_ProducerReady(self, msg: m.ProducerReady) -> m.Msg:
+        with self.cv:
+            self.ms.producer_ready(msg.rank, msg.incarnation, msg.version, msg.desc)
+            self.cv.notify_all()
+        return m.Ack()
+
+    def _on_SyncFailed(self, msg: m.SyncFailed) -> m.Msg:
+        with self.cv:
+            self.ms.fail_version(msg.version, f"producer {msg.rank}: {msg.reason}")
+            self.cv.notify_all()
+        return m.Ack()
+
+    def _on_Abandon(self, msg: m.Abandon) -> None:
+        with self.cv:
+            self.ms.abandon(msg.version, msg.consumer, msg.session, msg.reason)
+            self.cv.notify_all()
+        return None  # producer 0's own serving side handles it too
+
+    def _on_Goodbye(self, msg: m.Goodbye) -> m.Msg:
+        with self.cv:
+            self.ms.drop(msg.consumer, msg.session, "said goodbye")
+            self.cv.notify_all()
+        return m.Ack()
+
+    def _on_BeginSync(self, msg: m.BeginSync) -> m.Msg:
+        with self.cv:
+            if msg.consumer:
+                self.ms.check(msg.consumer, msg.session)
+            else:
+                self.ms.producer(msg.rank, msg.incarnation)
+            v = self.ms.begin(msg.version, self.epoch)
+            self.cv.notify_all()
+            members = {c: list(ds) for c, ds in v.members.items()}
+            if not msg.consumer:
+                return m.SyncView(version=msg.version, members=members, epoch=v.epoch, producers=[])
+            if msg.consumer not in v.members or v.members[msg.consumer][1] != msg.session:
+                raise NotMember(f"consumer {msg.consumer!r} (re)joined after version {msg.version} began; it "
+                                "receives the next version")
+            assert self.routes is not None
+            used = sorted({p for per in self.routes[v.members[msg.consumer][0]].values() for p in per})
+
+            def ready() -> bool:
+                if v.failed:
+                    raise SyncError(f"version {msg.version} failed: {v.failed}")
+                dead = [r for r in used if r in self.ms.dead_producers]
+                if dead:
+                    raise ProducerLost(f"version {msg.version}: " + "; ".join(self.ms.dead_producers[r] for r in dead))
+                return all(v.ready.get(r) == self.ms.producers[r].incarnation for r in used)
+
+            self._wait(ready, lambda: f"producers {[r for r in used if v.ready.get(r) != self.ms.producers[r].incarnation]}"
+                                      f" to start version {msg.version}", self.timeout_s, init=False)
+            return m.SyncView(version=msg.version, members={msg.consumer: members[msg.consumer]}, epoch=v.epoch,
+                              producers=[{"rank": r, "incarnation": self.ms.producers[r].incarnation,
+                                          "address": self.ms.producers[r].address, "desc": self.ms.producers[r].desc}
+                                         for r in used])
+
+    def lease_view(self) -> dict[str, Any]:
+        with self.cv:
+            return self.ms.lease_view()

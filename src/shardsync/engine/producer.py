@@ -2,7 +2,9 @@
 
 The sync schedule (the only place its rules live):
 
-1. Groups are served in transfer order (pre, layers, post), only those this rank routes to someone.
+1. A sync serves the consumers that are members of its version (fixed by the coordinator when the
+   version begins: registered, lease live). Groups are served in transfer order (pre, layers, post),
+   only those this rank routes to someone.
 2. A group is gathered (``source.gather``) only when one of ``lookahead + 1`` ring slots is free; its
    full tensors are dropped as soon as its chunks are packed, so at most ``lookahead + 1`` groups are
    ever resident (gathered or packed-and-unreleased). ``stats["max_resident"]`` proves it.
@@ -10,12 +12,16 @@ The sync schedule (the only place its rules live):
    ``Ready`` says so; this thread moves on to g+1).
 4. Each distinct plan's chunks are packed once; every consumer sharing that plan (the same rank of
    different replicas) pulls the same bytes.
-5. A slot is freed when every consumer routed to it has sent ``Released`` (or has said ``Goodbye``).
+5. A slot is freed when every member routed to it has sent ``Released`` or has been dropped: it
+   abandoned the version, said goodbye, or its lease expired (``lease_s``: the detection bound). Nothing
+   waits for a dead consumer and the sync's result names who was dropped and why.
+6. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
+   :class:`ProducerLost` / :class:`SyncError`; consumers then keep their previous complete version.
    Every wait is bounded by ``timeout_s`` and names what it waited for.
 
     producer = Producer(source, ProducerConfig(rank=0, n_producers=2, n_consumers=4, token="t"))
-    producer.init()          # blocks until consumers registered their plans
-    producer.sync(version=1) # returns when every consumer released every group of this rank
+    producer.init()          # blocks until a quorum of consumers registered their plans
+    producer.sync(version=1) # returns when every live member released every group of this rank
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import torch
 
 from . import control as m
 from .coordinator import Coordinator
-from ..errors import SyncError, TransportError
+from .heartbeat import Heartbeat
+from .wire import DEFAULT_MAX_FRAME
+from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
 from ..plan.groups import group_order
 from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
 from ..plan.route import chunk_layouts, holders_from_ownership
@@ -46,6 +54,9 @@ class ProducerConfig:
     n_consumers: int
     token: str
     host: str = "127.0.0.1"
+    """Interface the control server (and the tcp transport) bind to."""
+    advertise_host: str | None = None
+    """Address peers are told to use (required in practice when ``host`` is 0.0.0.0)."""
     port: int = 0
     """Control port; rank 0's is the coordinator address consumers are given."""
     coordinator: list[Any] | None = None
@@ -55,14 +66,22 @@ class ProducerConfig:
     lookahead: int = 1
     max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     timeout_s: float = 120.0
-    """Bound on every wait during a sync (a dead consumer surfaces within it)."""
+    """Bound on every wait during a sync for a peer that is alive but slow."""
     init_timeout_s: float = 600.0
     """Bound on init waits (peers start engines, record and validate plans: slower than a sync)."""
+    lease_s: float = 10.0
+    """A peer that sends no heartbeat for this long is dead: the bound on detecting a dead consumer/producer."""
+    min_consumers: int | None = None
+    """Init quorum (default: all ``n_consumers``); with fewer, init proceeds after ``join_grace_s``."""
+    join_grace_s: float = 30.0
+    verify_checksums: bool = False
+    """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError)."""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME
 
 
 @dataclass
 class _Unit:
-    """One chunk of one plan's group that this producer packs and serves (fixed at init)."""
+    """One chunk of one plan's group that this producer packs and serves (fixed per assignment epoch)."""
 
     digest: str
     chunk: Chunk
@@ -71,21 +90,37 @@ class _Unit:
     sources: frozenset[str]  # checkpoint names the chunk's slices come from
 
 
+@dataclass
+class _VersionState:
+    members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
+    ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
+    pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
+    dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
+    dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
+    failed: str = ""
+    done: bool = False
+
+
 class Producer:
     def __init__(self, source: WeightSource, cfg: ProducerConfig, transport: Transport | None = None):
         self.source, self.cfg = source, cfg
         self.metas = source.metadata()
+        self._own_transport = transport is None
         self.transport = transport or make_transport(cfg.transport, **cfg.transport_kwargs)
-        self.coordinator = Coordinator(metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
-                                       max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.init_timeout_s) \
+        self.coordinator = Coordinator(
+            metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
+            max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
+            lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s) \
             if cfg.rank == 0 else None
-        self.server = m.ControlServer(cfg.host, cfg.port, cfg.token, self._handle)
+        self.server = m.ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
+                                      max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
-        self.ready: dict[tuple[int, str], dict[str, list[list[int]]]] = {}
-        self.pending: dict[tuple[int, str], set[str]] = {}
-        self.gone: set[str] = set()
-        self.failed: dict[int, str] = {}
+        self.versions: dict[int, _VersionState] = {}
+        self.abandoned: dict[int, dict[str, str]] = defaultdict(dict)  # before this rank began the version
+        self.epoch = -1
+        self.ring: torch.Tensor | None = None
+        self.heartbeat: Heartbeat | None = None
         self.stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ control handler
@@ -95,40 +130,88 @@ class Producer:
             if reply is not None:
                 return reply
         if isinstance(msg, m.WaitReady):
-            key = (msg.version, msg.group)
-            plan_digest = self.consumer_plan.get(msg.consumer)
-            if plan_digest is None:
-                raise SyncError(f"producer {self.cfg.rank}: unknown consumer {msg.consumer!r}")
-            if msg.consumer in self.gone:
-                raise SyncError(f"producer {self.cfg.rank}: consumer {msg.consumer!r} left; re-admission needs a new init")
-            self._wait(lambda: key in self.ready or msg.version in self.failed,
-                       f"group {msg.group!r} of version {msg.version} to be packed")
-            if msg.version in self.failed:
-                raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {self.failed[msg.version]}")
-            return m.Ready(version=msg.version, group=msg.group, chunks=self.ready[key].get(plan_digest, []))
-        if isinstance(msg, m.Released):
+            return self._on_wait_ready(msg)
+        if isinstance(msg, (m.Released, m.Abandon)):
             with self.cv:
-                self.pending.get((msg.version, msg.group), set()).discard(msg.consumer)
-                self.cv.notify_all()
-            return m.Ack()
-        if isinstance(msg, m.Goodbye):
-            with self.cv:
-                self.gone.add(msg.consumer)
-                for s in self.pending.values():
-                    s.discard(msg.consumer)
+                st = self.versions.get(msg.version)
+                if st is None:
+                    if isinstance(msg, m.Released):
+                        raise SyncError(f"producer {self.cfg.rank}: release for version {msg.version}, not begun")
+                    self.abandoned[msg.version][msg.consumer] = msg.reason  # checked when the version begins
+                    return m.Ack()
+                self._member(st, msg.consumer, msg.session, msg.version)
+                if isinstance(msg, m.Released):
+                    st.pending.get(msg.group, set()).discard(msg.consumer)
+                else:
+                    self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
                 self.cv.notify_all()
             return m.Ack()
         raise SyncError(f"producer {self.cfg.rank}: unexpected message {type(msg).__name__}")
 
-    def _wait(self, pred, what: str, timeout_s: float | None = None) -> None:
-        timeout_s = self.cfg.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+    def _member(self, st: _VersionState, cid: str, session: str, version: int) -> str:
+        """The consumer's plan digest, if ``session`` is its credential in this version."""
+        ds = st.members.get(cid)
+        if ds is None:
+            raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {cid!r} is not a member of version {version}")
+        if ds[1] != session:
+            raise AuthError(f"producer {self.cfg.rank}: session credential does not belong to consumer {cid!r}")
+        return ds[0]
+
+    def _on_wait_ready(self, msg: m.WaitReady) -> m.Msg:
+        poll = min(1.0, self.cfg.lease_s / 4)
+        deadline = time.monotonic() + poll
         with self.cv:
-            while not pred():
+            while True:
+                st = self.versions.get(msg.version)
+                if st is not None:
+                    digest = self._member(st, msg.consumer, msg.session, msg.version)
+                    if st.failed:
+                        raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {st.failed}")
+                    if msg.consumer in st.dropped:
+                        raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {msg.consumer!r} was dropped from "
+                                              f"version {msg.version}: {st.dropped[msg.consumer]}")
+                    if msg.group in st.ready:
+                        return m.Ready(version=msg.version, group=msg.group, chunks=st.ready[msg.group].get(digest, []))
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TransportError(f"producer {self.cfg.rank}: timed out after {timeout_s} s waiting for {what}")
-                self.cv.wait(min(left, 1.0))
+                    return m.Pending()
+                self.cv.wait(left)
+
+    def _drop(self, st: _VersionState, cid: str, why: str) -> None:
+        if cid in st.members and cid not in st.dropped:
+            st.dropped[cid], st.dropped_at[cid] = why, time.time()
+            for s in st.pending.values():
+                s.discard(cid)
+
+    def _prune(self, version: int, st: _VersionState) -> None:
+        """Apply what the coordinator knows: dead members are dropped; a dead producer or a failed version ends
+        the sync (called with ``cv`` held, from every wait)."""
+        view = self.coordinator.lease_view() if self.coordinator is not None else self.heartbeat.view()
+        for cid, session, why in view["dead"]:
+            if st.members.get(cid, ("", ""))[1] == session:
+                self._drop(st, cid, why)
+        for v, cid, session, why in view["left"]:
+            if v == version and st.members.get(cid, ("", ""))[1] == session:
+                self._drop(st, cid, f"abandoned version {version}: {why}")
+        dead = {int(r): why for r, why in view["dead_producers"].items()}
+        if dead:
+            raise ProducerLost(f"producer {self.cfg.rank}, version {version}: " + "; ".join(dead.values()))
+        why = view["failed"].get(version)
+        if why:
+            raise SyncError(f"producer {self.cfg.rank}: version {version} failed: {why}")
+
+    def _wait(self, pred, what, version: int, st: _VersionState) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        with self.cv:
+            while True:
+                self._prune(version, st)
+                if pred():
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"producer {self.cfg.rank}: timed out after {self.cfg.timeout_s} s waiting "
+                                         f"for {what()}")
+                self.cv.wait(min(left, 0.25))
 
     # ------------------------------------------------------------------ init
     def init(self) -> None:
@@ -137,72 +220,129 @@ class Producer:
         if coord is None:
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
-        self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)")
-        self.client.call(m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
-                                meta_digest=metadata_digest(self.metas)), timeout_s=cfg.init_timeout_s)
-        asg = self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5)
+        self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
+                                      max_frame_bytes=cfg.max_frame_bytes)
+        self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
+                            meta_digest=metadata_digest(self.metas))
+        self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
+        if cfg.rank != 0:
+            self.heartbeat = Heartbeat(coord, cfg.token, m.Renew(rank=cfg.rank, incarnation=self.incarnation),
+                                       lease_s=cfg.lease_s, who=f"producer {cfg.rank}", on_change=self._wake,
+                                       on_dropped=self._rejoin)
+        self._assign(self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5))
+        self.client.call(m.ProducerReady(rank=cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
+                         timeout_s=cfg.init_timeout_s)
+
+    def _rejoin(self, why: str) -> None:
+        """Our lease lapsed (a pause, a starved process): the sync in flight has failed for everyone; join again
+        as a new incarnation with the same ring, so the next sync includes this rank."""
+        assert self.heartbeat is not None
+        self.incarnation = self.client.call(self._join, timeout_s=self.cfg.timeout_s).incarnation
+        self.heartbeat.set_renew(m.Renew(rank=self.cfg.rank, incarnation=self.incarnation))
+        self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
+                         timeout_s=self.cfg.timeout_s)
+
+    def _wake(self) -> None:
+        with self.cv:
+            self.cv.notify_all()
+
+    def _assign(self, asg: Any) -> None:
+        """Build this rank's units from the coordinator's assignments (at init, and when a rejoiner's new plan
+        bumped the epoch); the ring is (re)allocated only if a slot must grow."""
         if not isinstance(asg, m.Assignments):
-            raise TransportError(f"producer {cfg.rank}: coordinator answered {type(asg).__name__}, expected Assignments")
-        self.plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
-        self.consumer_plan = {c: d for d, cs in asg.consumers.items() for c in cs}
-        self.consumers_of = {d: set(cs) for d, cs in asg.consumers.items()}
+            raise TransportError(f"producer {self.cfg.rank}: coordinator answered {type(asg).__name__}, "
+                                 "expected Assignments")
+        cfg = self.cfg
+        plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
         holders = holders_from_ownership(asg.held, [x.name for x in self.metas])
-        self.layouts = {d: chunk_layouts(p, holders, max_chunk_bytes=cfg.max_chunk_bytes) for d, p in self.plans.items()}
-        self.units: dict[str, list[_Unit]] = defaultdict(list)
+        units: dict[str, list[_Unit]] = defaultdict(list)
         slot_end: dict[str, int] = defaultdict(int)  # units of every plan share their group's slot
         for d, routes in sorted(asg.routes.items()):
+            layouts = chunk_layouts(plans[d], holders, max_chunk_bytes=cfg.max_chunk_bytes)
             for g, per_chunk in routes.items():
                 for ci, p in enumerate(per_chunk):
                     if p == cfg.rank:
-                        lay, gp = self.layouts[d][g], self.plans[d].group(g)
+                        lay, gp = layouts[g], plans[d].group(g)
                         c = lay.chunks[ci]
                         srcs = frozenset(s.src for s in gp.scatters[c.first:c.stop])
-                        self.units[g].append(_Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
+                        units[g].append(_Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
                         slot_end[g] = _align(slot_end[g] + c.nbytes, 64)
-        self.order = group_order(self.units)
-        self.sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in self.units.items()}
-        slot = max((u.slot_offset + u.chunk.nbytes for us in self.units.values() for u in us), default=0)
-        self.slot_bytes = _align(max(slot, 1), 64)
+        self.units = units
+        self.order = group_order(units)
+        self.sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in units.items()}
+        slot = _align(max(max((u.slot_offset + u.chunk.nbytes for us in units.values() for u in us), default=0), 1), 64)
         self.n_slots = cfg.lookahead + 1
-        self.ring = torch.zeros(self.n_slots * self.slot_bytes, dtype=torch.uint8)
-        desc = self.transport.register(self.ring)
-        self.client.call(m.ProducerReady(rank=cfg.rank, desc=desc), timeout_s=cfg.init_timeout_s)
+        if self.ring is None or slot > self.slot_bytes:
+            if self.ring is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor
+                if not self._own_transport:
+                    raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
+                                    f"{self.slot_bytes}) and the transport was passed in: it cannot be re-registered")
+                self.transport.close()
+                self.transport = make_transport(cfg.transport, **cfg.transport_kwargs)
+            self.slot_bytes = slot
+            self.ring = torch.zeros(self.n_slots * slot, dtype=torch.uint8)
+            self.desc = self.transport.register(self.ring)
+        self.epoch = asg.epoch
         self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
                       "ring_bytes": self.ring.numel()}
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int) -> dict[str, Any]:
-        """Serve one weight version; returns per-sync stats (bytes sent, max resident groups, seconds).
-        A failure here is made known to every consumer waiting on this version before it is re-raised."""
+        """Serve one weight version to its live members; returns per-sync stats (bytes sent, max resident groups,
+        seconds, ``dropped``: consumer -> why). A failure here is made known to every consumer waiting on this
+        version, and to the coordinator, before it is re-raised."""
+        st: _VersionState | None = None
         try:
-            return self._sync(version)
-        except BaseException as e:
+            view = self.client.call(m.BeginSync(version=version, rank=self.cfg.rank, incarnation=self.incarnation),
+                                    timeout_s=self.cfg.timeout_s)
+            if view.epoch != self.epoch:
+                self._assign(self.client.call(m.GetAssignments(rank=self.cfg.rank), timeout_s=self.cfg.timeout_s))
+            digests = {u.digest for us in self.units.values() for u in us}
             with self.cv:
-                self.failed[version] = f"{type(e).__name__}: {e}"
+                st = self.versions[version] = _VersionState(
+                    {c: (d, s) for c, (d, s) in view.members.items() if d in digests})
+                for c, why in self.abandoned.pop(version, {}).items():
+                    self._drop(st, c, f"abandoned version {version}: {why}")
+                for old in [v for v in self.versions if v < version - 4]:
+                    del self.versions[old]
+            self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
+                                             desc=self.desc), timeout_s=self.cfg.timeout_s)
+            return self._sync(version, st)
+        except BaseException as e:
+            why = f"{type(e).__name__}: {e}"
+            with self.cv:
+                if st is not None:  # nothing stays referenced for a failed version
+                    st.failed = why
+                    st.pending.clear()
+                    st.ready.clear()
                 self.cv.notify_all()
+            try:
+                self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why), timeout_s=5)
+            except Exception:
+                pass  # the coordinator may be what failed
             raise
 
-    def _sync(self, version: int) -> dict[str, Any]:
+    def _sync(self, version: int, st: _VersionState) -> dict[str, Any]:
         t0 = time.perf_counter()
         by_name = {x.name: x for x in self.metas}
         free = list(range(self.n_slots))
         slot_of: dict[str, int] = {}
-        resident = max_resident = 0
-        sent = 0
-        live = lambda d: self.consumers_of[d] - self.gone  # noqa: E731
+        max_resident = sent = 0
+        users: dict[str, set[str]] = defaultdict(set)
+        for c, (d, _) in st.members.items():
+            users[d].add(c)
+        assert self.ring is not None
         for g in self.order:
-            # rule 2: wait for a free slot (a released group frees its slot)
-            def reclaim() -> bool:
+            def reclaim() -> bool:  # rule 2: a released group frees its slot
                 for gg, s in list(slot_of.items()):
-                    if not self.pending.get((version, gg)):
+                    if not st.pending.get(gg):
                         free.append(s)
                         del slot_of[gg]
                 return bool(free)
-            self._wait(reclaim, f"a free ring slot for group {g!r} (held by {sorted(slot_of)}: consumers "
-                                f"{sorted({c for gg in slot_of for c in self.pending.get((version, gg), ())})} "
-                                "have not released them)")
-            resident = len(slot_of) + 1
-            max_resident = max(max_resident, resident)
+            self._wait(reclaim, lambda: f"a free ring slot for group {g!r} (held by {sorted(slot_of)}: consumers "
+                                        f"{sorted({c for gg in slot_of for c in st.pending.get(gg, ())})} have not "
+                                        "released them)", version, st)
+            max_resident = max(max_resident, len(slot_of) + 1)
             slot = free.pop(0)
             units = self.units[g]
             full = self.source.gather(self.sources[g])
@@ -211,29 +351,58 @@ class Producer:
             full = {n: t.contiguous() for n, t in full.items()}
             ready: dict[str, list[list[int]]] = defaultdict(list)
             base = slot * self.slot_bytes
+            with self.cv:
+                live = {d: cs - st.dropped.keys() for d, cs in users.items()}
             for u in units:
                 c = u.chunk
                 region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
                 u.packer.pack(full, region, c, base=c.start)
-                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes])
-                sent += c.nbytes * len(live(u.digest))
+                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, _checksum(region)
+                                        if self.cfg.verify_checksums else -1])
+                sent += c.nbytes * len(live.get(u.digest, ()))
             del full  # rule 2: gathered tensors are not kept past packing
             with self.cv:
-                self.pending[(version, g)] = set().union(*(live(u.digest) for u in units))
-                self.ready[(version, g)] = dict(ready)
+                st.pending[g] = set().union(*(users[u.digest] for u in units)) - st.dropped.keys()
+                st.ready[g] = dict(ready)
                 slot_of[g] = slot
                 self.cv.notify_all()
-        self._wait(lambda: all(not self.pending.get((version, g)) for g in self.order),
-                   f"every consumer to release version {version} "
-                   f"(missing: {sorted({c for g in self.order for c in self.pending.get((version, g), ())})})")
+        self._wait(lambda: all(not st.pending.get(g) for g in self.order),
+                   lambda: f"every consumer to release version {version} (missing: "
+                           f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
+        self._drain()
         with self.cv:
-            for g in self.order:
-                self.ready.pop((version, g), None)
-                self.pending.pop((version, g), None)
+            st.done = True
+            st.ready.clear()
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
-                          max_resident=max_resident, lookahead=self.cfg.lookahead)
+                          max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
+                          dropped=dict(st.dropped), dropped_at=dict(st.dropped_at))
         return dict(self.stats)
 
+    def held_bytes(self) -> int:
+        """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""
+        with self.cv:
+            return sum(c[2] for st in self.versions.values() for g, per in st.ready.items() if st.pending.get(g)
+                       for chunks in per.values() for c in chunks)
+
+    def _drain(self, timeout_s: float = 5.0) -> None:
+        """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer
+        exiting right after ``sync`` must not cut a consumer's last ``Released`` short)."""
+        deadline = time.monotonic() + timeout_s
+        while self.server.inflight("Released", "Abandon") and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     def close(self) -> None:
+        self._drain()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.server.close()
         self.transport.close()
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+
+
+def _checksum(region: torch.Tensor) -> int:
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(memoryview(region.numpy()))

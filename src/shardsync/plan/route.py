@@ -51,8 +51,10 @@ def chunk_layouts(plan: Plan, holders: Mapping[str, Sequence[int]], *,
 
 
 def route_plans(plans: Mapping[str, Plan], holders: Mapping[str, Sequence[int]], consumers_per_plan: Mapping[str, int],
-                *, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Routes, dict[int, int]]:
-    """Assign every chunk of every distinct plan to a producer. Returns (routes, bytes sent per producer)."""
+                *, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                base_load: Mapping[int, int] | None = None) -> tuple[Routes, dict[int, int]]:
+    """Assign every chunk of every distinct plan to a producer. Returns (routes, bytes sent per producer).
+    ``base_load``: bytes each producer already sends (routing a late joiner's plan against the others)."""
     units = []  # (bytes sent, digest, group, holder set, chunk indices)
     layouts = {d: chunk_layouts(p, holders, max_chunk_bytes=max_chunk_bytes) for d, p in plans.items()}
     routes: Routes = {d: {g: [-1] * len(lay.chunks) for g, lay in ls.items()} for d, ls in layouts.items()}
@@ -66,7 +68,7 @@ def route_plans(plans: Mapping[str, Plan], holders: Mapping[str, Sequence[int]],
                 nbytes[hs] += c.nbytes
             for hs, idx in by_set.items():
                 units.append((nbytes[hs] * consumers_per_plan.get(digest, 1), digest, g.name, hs, idx))
-    load: dict[int, int] = defaultdict(int)
+    load: dict[int, int] = defaultdict(int, base_load or {})
     group_load: dict[tuple[str, int], int] = defaultdict(int)
     for nb, digest, gname, hs, idx in sorted(units, key=lambda u: (-u[0], u[1], u[2], u[3])):
         p = min(hs, key=lambda q: (group_load[(gname, q)], load[q], q))

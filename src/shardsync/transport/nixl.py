@@ -104,6 +104,12 @@ class NixlTransport:
             except Exception as e:
                 raise TransportError(f"NIXL: cannot load metadata of {peer}: {e}") from e
             remote = remote.decode() if isinstance(remote, bytes) else str(remote)
+            old = self._remotes.get(producer)
+            if old is not None and old.agent != remote:  # a restarted producer: forget its predecessor
+                try:
+                    self._agent.remove_remote_agent(old.agent)
+                except Exception:
+                    pass
             mem = "VRAM" if desc["device"] == "cuda" else "DRAM"
             self._remotes[producer] = _Remote(remote, int(desc["addr"]), int(desc["nbytes"]), mem,
                                               int(desc.get("device_id", 0)))

@@ -1,7 +1,9 @@
 """TCP transport: the producer serves reads of its registered buffer from a socket thread.
 
 Two-sided underneath, one-sided to the engine. Works between any processes (vLLM workers included);
-binds to the configured interface and checks a shared token on every connection::
+binds to the configured interface (``advertise_host`` is what peers are told when binding 0.0.0.0),
+checks a shared token on every connection before it reads a request (token length capped, a silent
+peer times out), answers only reads inside the registered buffer, and closes idle connections::
 
     t = TcpTransport(host="127.0.0.1", token="s3cret")
     desc = t.register(buf)                       # producer: starts the serving thread
@@ -11,6 +13,7 @@ binds to the configured interface and checks a shared token on every connection:
 from __future__ import annotations
 
 import hmac
+import logging
 import socket
 import struct
 import threading
@@ -23,6 +26,8 @@ from .base import Caps, check_range
 
 _REQ = struct.Struct("!QQ")  # offset, nbytes
 _OK, _ERR = b"K", b"E"
+_MAX_TOKEN = 256
+log = logging.getLogger("shardsync.transport.tcp")
 
 
 def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | None:
@@ -41,8 +46,12 @@ class TcpTransport:
     name = "tcp"
     caps = Caps(one_sided=False, gpu=False, can_abort=True)
 
-    def __init__(self, *, host: str = "127.0.0.1", token: str = "", port: int = 0):
+    def __init__(self, *, host: str = "127.0.0.1", token: str = "", port: int = 0, advertise_host: str | None = None,
+                 idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0):
         self.host, self.token, self.port = host, token, port
+        self.advertise_host = advertise_host
+        self.idle_timeout_s, self.auth_timeout_s = idle_timeout_s, auth_timeout_s
+        self.refused = 0
         self._server: socket.socket | None = None
         self._buf: torch.Tensor | None = None
         self._peers: dict[int, socket.socket] = {}
@@ -61,15 +70,20 @@ class TcpTransport:
         t = threading.Thread(target=self._accept_loop, name="shardsync-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
-        return {"host": self.host, "port": self._server.getsockname()[1], "nbytes": buf.numel()}
+        return {"host": self.advertise_host or self.host, "port": self._server.getsockname()[1], "nbytes": buf.numel()}
 
     def _accept_loop(self) -> None:
         assert self._server is not None
         while not self._closed.is_set():
             try:
                 conn, _ = self._server.accept()
-            except (socket.timeout, OSError):
+            except socket.timeout:
                 continue
+            except OSError:
+                if not self._closed.is_set():
+                    log.exception("tcp transport: accept failed; serving stops")
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
             t.start()
 
@@ -78,12 +92,14 @@ class TcpTransport:
         mv = memoryview(self._buf.numpy())
         with conn:
             try:
-                conn.settimeout(None)
-                token = recv_exact(conn, struct.unpack("!H", recv_exact(conn, 2))[0])
-                if not hmac.compare_digest(token, self.token.encode()):
+                conn.settimeout(self.auth_timeout_s)
+                (n,) = struct.unpack("!H", recv_exact(conn, 2))
+                if n > _MAX_TOKEN or not hmac.compare_digest(recv_exact(conn, n), self.token.encode()):
+                    self.refused += 1
                     conn.sendall(_ERR)
                     return
                 conn.sendall(_OK)
+                conn.settimeout(self.idle_timeout_s)
                 while not self._closed.is_set():
                     off, n = _REQ.unpack(recv_exact(conn, _REQ.size))
                     if off + n > len(mv):
@@ -92,7 +108,9 @@ class TcpTransport:
                     conn.sendall(_OK)
                     conn.sendall(mv[off: off + n])
             except (ConnectionError, OSError):
-                return
+                return  # peer gone, idle, or closing
+            except Exception:  # never die silently
+                log.exception("tcp transport: serving thread failed")
 
     # ------------------------------------------------------------ consumer
     def connect(self, producer: int, desc: dict[str, Any], *, timeout_s: float = 30.0) -> None:
@@ -106,6 +124,7 @@ class TcpTransport:
         except (OSError, ConnectionError) as e:
             raise TransportError(f"tcp: cannot connect to producer {producer} at {desc.get('host')}:"
                                  f"{desc.get('port')}: {e}") from None
+        self._drop(producer)  # a restarted producer: its predecessor's socket is stale
         self._peers[producer] = s
         self._peer_locks[producer] = threading.Lock()
         self._sizes[producer] = int(desc["nbytes"])

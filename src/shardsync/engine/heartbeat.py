@@ -1,0 +1,77 @@
+"""Lease renewal: a background thread that renews one peer's lease with the coordinator.
+
+Every ``lease_s / 4`` it sends ``Renew``; the reply (``Lease``) says which consumers were dropped,
+which producers are dead and which versions failed — that is how peers learn of each other's death
+within the lease bound without any collective. If the coordinator cannot be reached for ``lease_s``,
+``view()`` raises: the group has lost its coordinator and every sync fails fast. A ``ConsumerDropped``
+reply (this consumer's lease expired, e.g. it was paused) calls ``on_dropped`` — the consumer rejoins::
+
+    hb = Heartbeat(coordinator, token, Renew(consumer=cid, session=s), lease_s=10, who="consumer r0/tp0")
+    hb.view()    # {"dead": [[cid, session, why]], "dead_producers": {rank: why}, "failed": {version: why}}
+    hb.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from . import control as m
+from ..errors import ConsumerDropped, ShardsyncError, TransportError
+
+__all__ = ["Heartbeat"]
+log = logging.getLogger("shardsync.heartbeat")
+
+
+class Heartbeat:
+    def __init__(self, coordinator: list[Any], token: str, renew: m.Renew, *, lease_s: float, who: str,
+                 on_change: Callable[[], None] | None = None, on_dropped: Callable[[str], None] | None = None):
+        self.renew, self.lease_s, self.who = renew, lease_s, who
+        self.on_change, self.on_dropped = on_change, on_dropped
+        self._client = m.ControlClient(coordinator, token, peer="coordinator (producer 0)", connect_timeout_s=lease_s)
+        self._view: dict[str, Any] = {"dead": [], "dead_producers": {}, "left": [], "failed": {}}
+        self._last_ok = time.monotonic()
+        self._error = ""
+        self.dropped = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"shardsync-heartbeat-{who}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = self.lease_s / 4
+        while not self._stop.wait(period):
+            try:
+                lease = self._client.call(self.renew, timeout_s=self.lease_s)
+                self._view = {"dead": lease.dead, "dead_producers": lease.dead_producers, "left": lease.left,
+                              "failed": lease.failed}
+                self._last_ok, self._error = time.monotonic(), ""
+            except ConsumerDropped as e:  # the coordinator is there; this peer's lease is not
+                self._last_ok, self.dropped = time.monotonic(), str(e)
+                if self.on_dropped is not None:
+                    try:
+                        self.on_dropped(str(e))
+                    except Exception:
+                        log.exception("%s: rejoin after being dropped failed", self.who)
+            except ShardsyncError as e:
+                self._error = str(e)
+            except Exception:  # never die silently: a dead heartbeat would look like a dead peer
+                log.exception("%s: heartbeat failed", self.who)
+            if self.on_change is not None:
+                self.on_change()
+
+    def set_renew(self, renew: m.Renew) -> None:
+        self.renew = renew  # a rejoined consumer renews its new session
+        self._last_ok, self._error, self.dropped = time.monotonic(), "", ""
+
+    def view(self) -> dict[str, Any]:
+        if self._error and time.monotonic() - self._last_ok > self.lease_s:
+            raise TransportError(f"{self.who}: lost the coordinator (producer 0): no lease renewal for "
+                                 f"{self.lease_s:g} s: {self._error}; the group must be restarted")
+        return self._view
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._client.close()
+        self._thread.join(timeout=2)

@@ -1,0 +1,182 @@
+"""Who is in the group: producers and consumers with leases, and each version's member set.
+
+The coordinator (hosted by producer 0) keeps this table; everything else learns it from replies. Rules:
+
+1. A consumer's ``Hello`` issues a fresh session credential and starts its lease; a ``Hello`` with an id
+   already in use replaces the old session (a restarted engine rejoining under its old name): the old
+   session is dropped with the reason "replaced".
+2. A lease is renewed by heartbeats; one not renewed for ``lease_s`` expires: the consumer is dropped
+   (``dead``, with the reason), a producer is marked dead until its rank joins again (new incarnation).
+3. A version's members are fixed when its first ``BeginSync`` arrives: every registered consumer whose
+   lease is live then. Consumers that (re)join later receive the next version.
+4. Dropped consumers stay in ``dead`` (bounded) so that every producer drops them from any version
+   they are pending in, whichever producer learns it first.
+
+    ms = Membership(lease_s=5.0)
+    s = ms.hello("r0/tp0"); ms.register("r0/tp0", s, digest)
+    members = ms.begin(version=1)          # {"r0/tp0": (digest, s)}
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import AuthError, ConsumerDropped
+
+__all__ = ["Membership"]
+
+_KEEP_DEAD = 4096
+_KEEP_VERSIONS = 16
+
+
+@dataclass
+class _Consumer:
+    session: str
+    lease_until: float
+    digest: str | None = None
+
+
+@dataclass
+class _Producer:
+    incarnation: int
+    address: list[Any]
+    held: list[str] | None
+    lease_until: float
+    desc: dict[str, Any] | None = None
+    ready_version: int = -2
+
+
+@dataclass
+class _Version:
+    members: dict[str, tuple[str, str]]
+    epoch: int
+    failed: str | None = None
+    ready: dict[int, int] = field(default_factory=dict)  # rank -> incarnation that reported ready
+
+
+class Membership:
+    def __init__(self, *, lease_s: float, clock: Callable[[], float] = time.monotonic):
+        self.lease_s, self.clock = lease_s, clock
+        self.consumers: dict[str, _Consumer] = {}
+        self.producers: dict[int, _Producer] = {}
+        self.dead: OrderedDict[tuple[str, str], str] = OrderedDict()  # (consumer, session) -> reason
+        self.dead_producers: dict[int, str] = {}
+        self.versions: OrderedDict[int, _Version] = OrderedDict()
+        self.failed_init: dict[str, str] = {}  # consumers that failed before registering -> reason
+        self.left: OrderedDict[tuple[int, str, str], str] = OrderedDict()  # (version, consumer, session) -> why
+
+    # -------------------------------------------------------------- consumers
+    def hello(self, cid: str) -> str:
+        old = self.consumers.get(cid)
+        if old is not None:
+            self._drop(cid, old.session, "replaced: the same consumer id said Hello again (a restarted engine)")
+        session = secrets.token_hex(16)
+        self.consumers[cid] = _Consumer(session, self.clock() + self.lease_s)
+        self.failed_init.pop(cid, None)
+        return session
+
+    def check(self, cid: str, session: str) -> _Consumer:
+        """The consumer entry, if ``session`` is its current credential (else a typed refusal)."""
+        c = self.consumers.get(cid)
+        if c is not None and c.session == session:
+            return c
+        why = self.dead.get((cid, session))
+        if why is not None:
+            raise ConsumerDropped(f"consumer {cid!r} was dropped ({why}); it must rejoin (Hello + RegisterPlan)")
+        raise AuthError(f"session credential does not belong to consumer {cid!r}")
+
+    def register(self, cid: str, session: str, digest: str) -> None:
+        self.check(cid, session).digest = digest
+
+    def renew_consumer(self, cid: str, session: str) -> None:
+        self.expire()
+        self.check(cid, session).lease_until = self.clock() + self.lease_s
+
+    def drop(self, cid: str, session: str, reason: str) -> None:
+        c = self.consumers.get(cid)
+        if c is not None and c.session == session:
+            if c.digest is None:
+                self.failed_init[cid] = reason
+            self._drop(cid, session, reason)
+
+    def abandon(self, version: int, cid: str, session: str, reason: str) -> None:
+        """A consumer left one version (its engine rejected or failed it); it stays a member otherwise."""
+        self.check(cid, session)
+        self.left[(version, cid, session)] = reason
+        while len(self.left) > _KEEP_DEAD:
+            self.left.popitem(last=False)
+
+    def _drop(self, cid: str, session: str, reason: str) -> None:
+        self.consumers.pop(cid, None)
+        self.dead[(cid, session)] = reason
+        while len(self.dead) > _KEEP_DEAD:
+            self.dead.popitem(last=False)
+
+    def expire(self) -> None:
+        now = self.clock()
+        for cid, c in list(self.consumers.items()):
+            if now > c.lease_until:
+                self.drop(cid, c.session, f"lease expired: no heartbeat for {self.lease_s:g} s")
+        for r, p in self.producers.items():
+            if r != 0 and r not in self.dead_producers and now > p.lease_until:
+                self.dead_producers[r] = f"producer {r} lease expired: no heartbeat for {self.lease_s:g} s"
+
+    # -------------------------------------------------------------- producers
+    def join(self, rank: int, address: list[Any], held: list[str] | None) -> int:
+        old = self.producers.get(rank)
+        inc = 0 if old is None else old.incarnation + 1
+        self.producers[rank] = _Producer(inc, address, held, self.clock() + self.lease_s)
+        self.dead_producers.pop(rank, None)
+        return inc
+
+    def producer(self, rank: int, incarnation: int) -> _Producer:
+        p = self.producers.get(rank)
+        if p is None or p.incarnation != incarnation:
+            raise AuthError(f"producer {rank} incarnation {incarnation} is not current (a restarted rank replaced it)")
+        return p
+
+    def renew_producer(self, rank: int, incarnation: int) -> None:
+        self.expire()
+        p = self.producer(rank, incarnation)
+        if rank in self.dead_producers:
+            raise ConsumerDropped(f"producer {rank}: {self.dead_producers[rank]}; it must join again")
+        p.lease_until = self.clock() + self.lease_s
+
+    def producer_ready(self, rank: int, incarnation: int, version: int, desc: dict[str, Any]) -> None:
+        p = self.producer(rank, incarnation)
+        p.desc, p.ready_version = desc, version
+        if version >= 0:
+            self.version(version).ready[rank] = incarnation
+
+    # -------------------------------------------------------------- versions
+    def begin(self, version: int, epoch: int) -> _Version:
+        self.expire()
+        v = self.versions.get(version)
+        if v is None:
+            members = {cid: (c.digest, c.session) for cid, c in self.consumers.items() if c.digest is not None}
+            v = self.versions[version] = _Version(members, epoch)
+            while len(self.versions) > _KEEP_VERSIONS:
+                self.versions.popitem(last=False)
+        return v
+
+    def version(self, version: int) -> _Version:
+        v = self.versions.get(version)
+        if v is None:
+            raise ConsumerDropped(f"version {version} has not begun (or is too old)")
+        return v
+
+    def fail_version(self, version: int, reason: str) -> None:
+        v = self.versions.get(version)
+        if v is not None and v.failed is None:
+            v.failed = reason
+
+    def lease_view(self) -> dict[str, Any]:
+        self.expire()
+        return {"dead": [[c, s, why] for (c, s), why in self.dead.items()],
+                "dead_producers": dict(self.dead_producers),
+                "left": [[v, c, s, why] for (v, c, s), why in self.left.items()],
+                "failed": {n: v.failed for n, v in self.versions.items() if v.failed}}

@@ -1,0 +1,68 @@
+"""The control plane's framing: an authenticated handshake, then length-prefixed msgpack frames.
+
+Nothing is allocated or decoded before it is checked (engine rule 5):
+
+1. A connection opens with ``!H`` token length (≤ ``MAX_TOKEN_BYTES``) + the token; the server compares
+   it in constant time and answers one byte (``K`` accepted / ``E`` refused, then closes). No frame is
+   read on a connection that has not authenticated.
+2. Each frame is ``!I`` length + payload; a length over the receiver's ``max_frame_bytes`` closes the
+   connection (:class:`FrameTooLarge`) before any buffer is allocated.
+3. Payloads are msgspec-msgpack structs of a closed union (never pickle).
+
+    sock = handshake_client(sock, token)          # raises AuthError when refused
+    send_frame(sock, b"...");  payload = recv_frame(sock, max_frame_bytes=1 << 20)
+"""
+
+from __future__ import annotations
+
+import hmac
+import socket
+import struct
+
+from ..errors import AuthError, TransportError
+from ..transport.tcp import recv_exact
+
+__all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
+           "send_frame", "recv_frame"]
+
+MAX_TOKEN_BYTES = 256
+DEFAULT_MAX_FRAME = 256 << 20
+"""Largest control frame accepted (a plan of a trillion-parameter model is tens of MB)."""
+_LEN = struct.Struct("!I")
+_TLEN = struct.Struct("!H")
+_OK, _ERR = b"K", b"E"
+
+
+class FrameTooLarge(TransportError):
+    """A peer announced a frame larger than this side accepts."""
+
+
+def handshake_client(sock: socket.socket, token: str, peer: str) -> None:
+    tok = token.encode()
+    if len(tok) > MAX_TOKEN_BYTES:
+        raise AuthError(f"token is {len(tok)} bytes, at most {MAX_TOKEN_BYTES} are accepted")
+    sock.sendall(_TLEN.pack(len(tok)) + tok)
+    if recv_exact(sock, 1) != _OK:
+        raise AuthError(f"{peer} refused this connection's token")
+
+
+def handshake_server(sock: socket.socket, token: str) -> bool:
+    """True when the peer presented ``token``; a refused peer is told so (the caller then closes)."""
+    (n,) = _TLEN.unpack(recv_exact(sock, _TLEN.size))
+    if n > MAX_TOKEN_BYTES:
+        sock.sendall(_ERR)
+        return False
+    ok = hmac.compare_digest(recv_exact(sock, n), token.encode())
+    sock.sendall(_OK if ok else _ERR)
+    return ok
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def recv_frame(sock: socket.socket, *, max_frame_bytes: int) -> bytes:
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if n > max_frame_bytes:
+        raise FrameTooLarge(f"peer announced a {n}-byte frame, the limit is {max_frame_bytes}")
+    return recv_exact(sock, n)
