@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from shardsync.errors import MetadataMismatch
@@ -31,25 +29,6 @@ def test_two_producers_two_replicas_tp2_three_syncs_bit_exact(transport: str) ->
             assert sum(sent) == sum(recv)  # nothing is sent that no consumer pulls
             full = sum(t.nbytes for t in hf_state_dict(CFG).values())
             assert all(0.4 * full < b < 0.6 * full for b in recv), (recv, full)  # each TP rank: about half
-
-
-def test_dead_consumer_gives_typed_error_within_timeout() -> None:
-    with LocalCluster(CFG, producers=2, replicas=1, tp=2, timeout_s=4) as cl:
-        assert cl.sync(1)["exact"]
-        cl.kill("r0/tp1")
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="TransportError.*(r0/tp1|release)"):
-            cl.sync(2)
-        assert time.monotonic() - t0 < 30
-
-
-def test_dead_producer_gives_typed_error_within_timeout() -> None:
-    with LocalCluster(CFG, producers=2, replicas=1, tp=2, timeout_s=4) as cl:
-        cl.kill(1)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="consumer r0/tp[01]: TransportError.*producer 1"):
-            cl.sync(1)
-        assert time.monotonic() - t0 < 30
 
 
 def _plans(cfg: ZooConfig, tp: int, ep: int = 1):

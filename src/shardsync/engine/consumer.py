@@ -122,9 +122,10 @@ class Consumer:
             self.rejoins += 1
 
     # ------------------------------------------------------------------ sync
-    def abandon(self, version: int, reason: str) -> None:
+    def abandon(self, version: int, reason: str, *, lost_producer: int = -1) -> None:
         """Leave ``version`` (this engine rejected or failed it): no producer waits for us. Best effort."""
-        msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=reason[:2000])
+        msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=reason[:2000],
+                        lost_producer=lost_producer)
         for c in [self.coord, *self.clients.values()]:
             try:
                 c.call(msg, timeout_s=2)
@@ -146,7 +147,7 @@ class Consumer:
             stats = self._sync(version, applied_any)
         except BaseException as e:
             self.torn = self.torn or applied_any[0]
-            self.abandon(version, f"{type(e).__name__}: {e}")
+            self.abandon(version, f"{type(e).__name__}: {e}", lost_producer=getattr(e, "producer", -1))
             raise
         self.version, self.torn = version, False
         return stats
@@ -222,7 +223,9 @@ class Consumer:
             self.peers[p] = (inc, desc)
 
     def _lost(self, p: int, version: int, group: str, e: Exception) -> ProducerLost:
-        return ProducerLost(f"consumer {self.id}: producer {p} lost during version {version} (group {group!r}): {e}")
+        err = ProducerLost(f"consumer {self.id}: producer {p} lost during version {version} (group {group!r}): {e}")
+        err.producer = p  # type: ignore[attr-defined]
+        return err
 
     def _check_peers(self, p: int, version: int, group: str) -> None:
         assert self.heartbeat is not None

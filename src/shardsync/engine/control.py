@@ -177,6 +177,8 @@ class Abandon(_M):  # a consumer leaves one version (its engine rejected or fail
     session: str
     version: int
     reason: str
+    lost_producer: int = -1
+    """The producer whose death made it fail: the version then fails for everyone, naming it."""
 
 
 class Goodbye(_M):  # a consumer leaves for good

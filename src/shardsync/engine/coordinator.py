@@ -203,11 +203,15 @@ class Coordinator:
     def _on_Abandon(self, msg: m.Abandon) -> None:
         with self.cv:
             self.ms.abandon(msg.version, msg.consumer, msg.session, msg.reason)
+            if msg.lost_producer >= 0:
+                self.ms.fail_version(msg.version, f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
+                                                  f"{msg.reason}")
             self.cv.notify_all()
         return None  # producer 0's own serving side handles it too
 
     def _on_Goodbye(self, msg: m.Goodbye) -> m.Msg:
         with self.cv:
+            self.ms.check(msg.consumer, msg.session)  # only a consumer itself may say goodbye
             self.ms.drop(msg.consumer, msg.session, "said goodbye")
             self.cv.notify_all()
         return m.Ack()

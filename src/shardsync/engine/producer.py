@@ -142,6 +142,10 @@ class Producer:
                 self._member(st, msg.consumer, msg.session, msg.version)
                 if isinstance(msg, m.Released):
                     st.pending.get(msg.group, set()).discard(msg.consumer)
+                elif msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all
+                    st.failed = st.failed or (f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
+                                              f"{msg.reason}")
+                    self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
                 else:
                     self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
                 self.cv.notify_all()
@@ -186,6 +190,8 @@ class Producer:
     def _prune(self, version: int, st: _VersionState) -> None:
         """Apply what the coordinator knows: dead members are dropped; a dead producer or a failed version ends
         the sync (called with ``cv`` held, from every wait)."""
+        if st.failed:
+            raise ProducerLost(f"producer {self.cfg.rank}: version {version} failed: {st.failed}")
         view = self.coordinator.lease_view() if self.coordinator is not None else self.heartbeat.view()
         for cid, session, why in view["dead"]:
             if st.members.get(cid, ("", ""))[1] == session:
