@@ -311,3 +311,19 @@ def test_close_right_after_sync_loses_no_reply_and_leaves_no_thread() -> None:
 
 def test_errors_travel_typed() -> None:
     assert issubclass(ChecksumError, ShardsyncError) and issubclass(AuthError, TransportError)
+
+
+def test_bind_all_interfaces_advertises_the_given_address_and_data_plane_uses_the_token() -> None:
+    p, th, err = _producer(1, host="0.0.0.0", advertise_host="127.0.0.1")
+    assert p.address[0] == "127.0.0.1"
+    z = _Zoo(p.address, "r0/tp0")
+    _start([z])
+    th.join(20)
+    assert p.desc["host"] == "127.0.0.1"
+    intruder = TcpTransport(token="")  # the ring's bytes are not served without the group's token
+    with pytest.raises(TransportError, match="rejected the token"):
+        intruder.connect(0, p.desc)
+    intruder.close()
+    _, errs = _sync(p, [z], 1)
+    assert not errs and z.exact(1)
+    _close(p, [z])

@@ -62,8 +62,10 @@ class Consumer:
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME):
         self.id, self.coordinator, self.token = consumer_id, coordinator, token
         self.record, self.apply = record, apply
-        self.transport = transport if not isinstance(transport, str) else \
-            make_transport(transport, **(transport_kwargs or {}))
+        kw = dict(transport_kwargs or {})
+        if transport == "tcp":
+            kw.setdefault("token", token)  # the data plane is authenticated with the group's token too
+        self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
         self.stats: dict[str, Any] = {}

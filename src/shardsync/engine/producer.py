@@ -106,7 +106,7 @@ class Producer:
         self.source, self.cfg = source, cfg
         self.metas = source.metadata()
         self._own_transport = transport is None
-        self.transport = transport or make_transport(cfg.transport, **cfg.transport_kwargs)
+        self.transport = transport or self._make_transport()
         self.coordinator = Coordinator(
             metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
@@ -122,6 +122,16 @@ class Producer:
         self.ring: torch.Tensor | None = None
         self.heartbeat: Heartbeat | None = None
         self.stats: dict[str, Any] = {}
+
+    def _make_transport(self) -> Transport:
+        """The data plane; the tcp transport binds where the control plane does, advertises the same address and
+        checks the group's token (unless ``transport_kwargs`` say otherwise)."""
+        kw = dict(self.cfg.transport_kwargs)
+        if self.cfg.transport == "tcp":
+            kw.setdefault("token", self.cfg.token)
+            kw.setdefault("host", self.cfg.host)
+            kw.setdefault("advertise_host", self.cfg.advertise_host)
+        return make_transport(self.cfg.transport, **kw)
 
     # ------------------------------------------------------------------ control handler
     def _handle(self, msg: m.Msg) -> m.Msg:
@@ -284,7 +294,7 @@ class Producer:
                     raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
                                     f"{self.slot_bytes}) and the transport was passed in: it cannot be re-registered")
                 self.transport.close()
-                self.transport = make_transport(cfg.transport, **cfg.transport_kwargs)
+                self.transport = self._make_transport()
             self.slot_bytes = slot
             self.ring = torch.zeros(self.n_slots * slot, dtype=torch.uint8)
             self.desc = self.transport.register(self.ring)
