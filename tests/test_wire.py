@@ -27,7 +27,7 @@ from shardsync.plan.pack import GroupUnpacker, layout_group
 from shardsync.plan.record import record_plan
 from shardsync.plan.validate import mismatched
 from shardsync.source import ModuleSource
-from shardsync.tools.chaos import forged_plan
+from shardsync.tools.chaos import FORGES, forged_plan
 from shardsync.transport.tcp import TcpTransport
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 
@@ -161,7 +161,7 @@ def test_oversized_frame_is_refused_before_allocation(group) -> None:
     assert peak < 16 << 20, peak
 
 
-@pytest.mark.parametrize("forge", ["unknown_op", "out_of_bounds"])
+@pytest.mark.parametrize("forge", FORGES)
 def test_forged_plan_is_refused_naming_the_consumer(group, forge: str) -> None:
     p, _ = group
     plans_before = set(p.coordinator.plans)

@@ -207,6 +207,7 @@ class Consumer:
             raise errors[0]
         if th.is_alive():
             raise SyncError(f"consumer {self.id}: applying version {version} did not finish within {self.timeout_s} s")
+        self.coord.call(m.Completed(consumer=self.id, session=session, version=version), timeout_s=self.lease_s + 1)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=received,
                           apply_s=applied[0], rejoins=self.rejoins)
         return dict(self.stats)

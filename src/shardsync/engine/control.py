@@ -129,6 +129,26 @@ class SyncView(_M):
     """[{"rank", "incarnation", "address", "desc"}] (filled for consumers; ready for this version)."""
 
 
+class Completed(_M):  # consumer -> coordinator: it holds this version, every group applied
+    consumer: str
+    session: str
+    version: int
+
+
+class AwaitVersion(_M):  # producer -> coordinator: the version's outcome (answers within a poll slice)
+    rank: int
+    incarnation: int
+    version: int
+
+
+class Outcome(_M):
+    done: bool
+    """Every member completed or was dropped, or the version failed."""
+    completed: list[str]
+    dropped: dict[str, str]
+    failed: str
+
+
 class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (rank, incarnation)
     consumer: str = ""
     session: str = ""
@@ -187,7 +207,7 @@ class Goodbye(_M):  # a consumer leaves for good
 
 
 Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome, InitFailed,
-            RegisterPlan, Routes, BeginSync, SyncView, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye]
+            RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Msg)
 

@@ -209,6 +209,32 @@ class Coordinator:
             self.cv.notify_all()
         return None  # producer 0's own serving side handles it too
 
+    def _on_Completed(self, msg: m.Completed) -> m.Msg:
+        with self.cv:
+            self.ms.check(msg.consumer, msg.session)
+            v = self.ms.version(msg.version)
+            if v.members.get(msg.consumer, ("", ""))[1] != msg.session:
+                raise NotMember(f"consumer {msg.consumer!r} is not a member of version {msg.version}")
+            v.completed.add(msg.consumer)
+            self.cv.notify_all()
+        return m.Ack()
+
+    def outcome(self, version: int, wait_s: float) -> m.Outcome:
+        """The version's outcome, waiting up to ``wait_s`` for it to be decided."""
+        deadline = time.monotonic() + wait_s
+        with self.cv:
+            while True:
+                o = self.ms.outcome(version)
+                left = deadline - time.monotonic()
+                if o["done"] or left <= 0:
+                    return m.Outcome(**o)
+                self.cv.wait(min(left, 0.25))
+
+    def _on_AwaitVersion(self, msg: m.AwaitVersion) -> m.Msg:
+        with self.cv:
+            self.ms.producer(msg.rank, msg.incarnation)
+        return self.outcome(msg.version, min(1.0, self.lease_s / 4))
+
     def _on_Goodbye(self, msg: m.Goodbye) -> m.Msg:
         with self.cv:
             self.ms.check(msg.consumer, msg.session)  # only a consumer itself may say goodbye

@@ -56,6 +56,7 @@ class _Version:
     epoch: int
     failed: str | None = None
     ready: dict[int, int] = field(default_factory=dict)  # rank -> incarnation that reported ready
+    completed: set[str] = field(default_factory=set)
 
 
 class Membership:
@@ -173,6 +174,19 @@ class Membership:
         v = self.versions.get(version)
         if v is not None and v.failed is None:
             v.failed = reason
+
+    def outcome(self, version: int) -> dict[str, Any]:
+        """Who completed ``version``, who was dropped from it (and why), whether it failed; ``done`` once every
+        member is accounted for."""
+        self.expire()
+        v = self.version(version)
+        dropped = {}
+        for cid, (_, session) in v.members.items():
+            why = self.left.get((version, cid, session)) or self.dead.get((cid, session))
+            if why is not None and cid not in v.completed:
+                dropped[cid] = why
+        done = bool(v.failed) or len(v.completed) + len(dropped) >= len(v.members)
+        return {"done": done, "completed": sorted(v.completed), "dropped": dropped, "failed": v.failed or ""}
 
     def lease_view(self) -> dict[str, Any]:
         self.expire()

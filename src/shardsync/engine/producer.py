@@ -18,6 +18,9 @@ The sync schedule (the only place its rules live):
 6. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
    :class:`ProducerLost` / :class:`SyncError`; consumers then keep their previous complete version.
    Every wait is bounded by ``timeout_s`` and names what it waited for.
+7. ``sync`` returns the version's outcome, not only this rank's part: once this rank's slots are all
+   released it waits until every member has completed the version (all groups, from every producer) or
+   been dropped; a version that failed anywhere raises here on every rank.
 
     producer = Producer(source, ProducerConfig(rank=0, n_producers=2, n_consumers=4, token="t"))
     producer.init()          # blocks until a quorum of consumers registered their plans
@@ -389,9 +392,11 @@ class Producer:
         with self.cv:
             st.done = True
             st.ready.clear()
+        outcome = self._outcome(version, st)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
                           max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
-                          dropped=dict(st.dropped), dropped_at=dict(st.dropped_at))
+                          completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
+                          dropped_at=dict(st.dropped_at))
         return dict(self.stats)
 
     def held_bytes(self) -> int:
@@ -399,6 +404,27 @@ class Producer:
         with self.cv:
             return sum(c[2] for st in self.versions.values() for g, per in st.ready.items() if st.pending.get(g)
                        for chunks in per.values() for c in chunks)
+
+    def _outcome(self, version: int, st: _VersionState) -> m.Outcome:
+        """Rule 7: a sync returns the VERSION's outcome, not only this rank's part: every member completed (all
+        groups, from every producer) or was dropped — or the version failed, which is raised here too."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while True:
+            if self.coordinator is not None:
+                o = self.coordinator.outcome(version, min(1.0, self.cfg.lease_s / 4))
+            else:
+                o = self.client.call(m.AwaitVersion(rank=self.cfg.rank, incarnation=self.incarnation, version=version),
+                                     timeout_s=self.cfg.lease_s + 1)
+            if o.failed or st.failed:
+                raise ProducerLost(f"producer {self.cfg.rank}: version {version} failed: {o.failed or st.failed}")
+            if o.done:
+                return o
+            if time.monotonic() > deadline:
+                missing = sorted(set(st.members) - set(o.completed) - set(o.dropped))
+                raise TransportError(f"producer {self.cfg.rank}: timed out after {self.cfg.timeout_s} s waiting for "
+                                     f"consumers {missing} to complete version {version} (this rank's part is done)")
+            with self.cv:
+                self._prune(version, st)
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer

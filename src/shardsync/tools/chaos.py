@@ -41,6 +41,7 @@ from ..zoo import ZooConfig
 
 KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "forged_plan",
          "wrong_token", "oversized_frame")
+FORGES = ("unknown_op", "out_of_bounds", "huge")
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
 
 
@@ -67,7 +68,7 @@ def wire_attack(kind: str, coordinator: list, token: str, metadata_cid: str = "a
         raise AssertionError("an oversized frame was answered")
     if kind == "forged_plan":
         refusals = []
-        for forge in ("unknown_op", "out_of_bounds"):
+        for forge in FORGES:
             c = m.ControlClient(coordinator, token, peer="coordinator")
             try:
                 w = c.call(m.Hello(consumer=f"{metadata_cid}-{forge}"), timeout_s=30)
@@ -102,9 +103,12 @@ def forged_plan(metadata: list[dict], cid: str, forge: str):
     if forge == "unknown_op":  # torch.save on the trainer, by name
         s = Scatter(ops=(Op(name="save", fn=True),), view=None, shape=tuple(src.shape),
                     dst_stride=(), **common)
-    else:  # a view that starts where the tensor ends
+    elif forge == "out_of_bounds":  # a view that starts where the tensor ends
         s = Scatter(ops=(), view=StridedView(offset=n, shape=(n,), stride=(1,)), shape=(n,), dst_stride=(1,),
                     **common)
+    else:  # huge: an in-bounds stride-0 view of 2^40 elements (terabytes of ring if it were believed)
+        s = Scatter(ops=(), view=StridedView(offset=0, shape=(1 << 40,), stride=(0,)), shape=(1 << 40,),
+                    dst_stride=(1,), **common)
     g = GroupPlan(name="pre", scatters=(s,), nbytes=0, sources=(src.name,))
     return Plan(consumer=cid, meta_digest=metadata_digest(metas), groups=(g,), unneeded=()).sealed()
 
