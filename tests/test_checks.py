@@ -68,3 +68,16 @@ def test_forged_plans_are_refused_naming_the_consumer(plan_and_metas, case: str)
     with pytest.raises(PlanError, match="consumer 'r0/tp1'") as ei:
         check_plan(bad, metas)
     assert WHY[case] in str(ei.value), str(ei.value)
+
+
+def test_replay_itself_refuses_an_op_outside_the_allow_list() -> None:
+    """Defence in depth: even a plan that reached a producer unchecked cannot make it call torch.save & co."""
+    import torch
+
+    from shardsync.errors import PlanError
+    from shardsync.plan.pack import apply_op
+    from shardsync.types import Op
+
+    with pytest.raises(PlanError, match="'save' is not one the recorder produces"):
+        apply_op(torch.zeros(2), Op(name="save", fn=True), ("/tmp/x",), {})
+    assert apply_op(torch.arange(4.0), Op(name="narrow"), (0, 1, 2), {}).tolist() == [1.0, 2.0]

@@ -19,7 +19,7 @@ from ..errors import PlanError
 from ..types import FALLBACK_PREFIX, ParamMeta, Plan, Scatter, dtype_of
 from . import opcodec
 from .pack import apply_op, replay
-from .record import VIEW_OPS
+from .opcodec import VIEW_OPS
 
 __all__ = ["check_plan", "MAX_EXPANSION"]
 

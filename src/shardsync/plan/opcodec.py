@@ -96,3 +96,12 @@ def _short(a: Any) -> str:
         name, shape, values = a["X"]
         return f"tensor({values[:8]}{'…' if len(values) > 8 else ''}, dtype={name}, shape={tuple(shape)})"
     return repr(decode(a))
+
+
+# Every op a plan may name: what the recorder produces. Producers replay nothing else (pack.apply_op).
+VIEW_OPS = frozenset({
+    "narrow", "view", "reshape", "transpose", "t", "T", "mT", "permute", "flatten", "unflatten",
+    "squeeze", "unsqueeze", "contiguous", "chunk", "split", "tensor_split", "unbind", "select",
+    "__getitem__", "expand", "movedim", "moveaxis", "swapaxes", "swapdims", "view_as", "reshape_as",
+    "expand_as", "detach", "clone", "data", "split_with_sizes", "index_select",
+})

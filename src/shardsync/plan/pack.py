@@ -99,7 +99,10 @@ def replay(s: Scatter, full: torch.Tensor) -> torch.Tensor:
 
 
 def apply_op(t: torch.Tensor, op, args: tuple, kwargs: dict) -> torch.Tensor:
-    """One recorded op on ``t`` with decoded arguments (callers allow-list ``op.name`` first)."""
+    """One recorded op on ``t`` with decoded arguments; an op outside the recorder's allow-list is refused here
+    too (a plan that reached a producer unchecked still cannot make it call an arbitrary torch function)."""
+    if op.name not in opcodec.VIEW_OPS:
+        raise PlanError(f"op {op.name!r} is not one the recorder produces; refusing to replay it")
     if op.name in ("T", "mT", "data"):
         t = getattr(t, op.name)
     elif op.fn:

@@ -30,12 +30,7 @@ from ..types import (DestParam, Fallback, Fill, GroupPlan, Op, ParamMeta, Plan, 
 __all__ = ["RecordingTensor", "Recorder", "record_plan", "DestinationResolver"]
 
 # Ops that only select / reinterpret elements: replaying them on the real tensor gives the slice.
-VIEW_OPS = frozenset({
-    "narrow", "view", "reshape", "transpose", "t", "T", "mT", "permute", "flatten", "unflatten",
-    "squeeze", "unsqueeze", "contiguous", "chunk", "split", "tensor_split", "unbind", "select",
-    "__getitem__", "expand", "movedim", "moveaxis", "swapaxes", "swapdims", "view_as", "reshape_as",
-    "expand_as", "detach", "clone", "data", "split_with_sizes", "index_select",
-})
+VIEW_OPS = opcodec.VIEW_OPS  # the allow-list lives with the wire vocabulary (producers check it too)
 # Value-preserving ops that may copy: for the strided-view fold they are the identity.
 IDENTITY_OPS = frozenset({"contiguous", "detach", "clone", "data"})
 # Queries that read metadata only.
