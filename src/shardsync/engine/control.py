@@ -328,9 +328,10 @@ class ControlClient:
         with self._lock:
             self._connect()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, timeout_s: float | None = None) -> socket.socket:
+        timeout_s = self.connect_timeout_s if timeout_s is None else min(timeout_s, self.connect_timeout_s)
         try:
-            s = socket.create_connection((self.address[0], int(self.address[1])), timeout=self.connect_timeout_s)
+            s = socket.create_connection((self.address[0], int(self.address[1])), timeout=timeout_s)
         except OSError as e:
             raise TransportError(f"cannot reach {self.peer} at {self.address[0]}:{self.address[1]}: {e}") from None
         try:
@@ -356,7 +357,7 @@ class ControlClient:
 
     def call(self, msg: Msg, *, timeout_s: float) -> Msg:
         with self._lock:
-            sock = self._sock or self._connect()
+            sock = self._sock or self._connect(timeout_s)  # a reconnect is bounded by the call's own timeout
             try:
                 sock.settimeout(timeout_s)
                 send_frame(sock, _enc.encode(msg))

@@ -21,12 +21,23 @@ At ``init_transfer_engine`` each worker records its plan by a dry run of the mod
 the plan as JSON. A sync writes each received group's slices into vLLM's layerwise buffers and, as soon
 as a layer is complete, replays the layer's FIRST-LOAD processing (``fresh``), so that the engine holds
 what a fresh engine loaded from the same weights holds.
+
+Torn updates (fail closed). Layers are applied in place as they arrive, so an update that stops half-way
+(``update_weights`` raising after some groups were applied, ``finish_weight_update`` finding groups
+missing, a shutdown mid-update) leaves this rank TORN: its groups hold different versions. Each rank
+tracks the version every group holds (a group interrupted mid-apply counts as ``partial``) and says so in
+``sync_state()`` and ``status_rank{R}.json`` (``complete_version``, ``torn``, ``holds`` e.g.
+``"torn:1+2"``, ``versions_held``, ``partial_groups``); the engine core's guard (``guard``) then refuses
+every request and reports ``get_weight_version() == "torn:1+2"`` until a later sync completes on every
+rank. ``version`` only advances on a complete sync, so a failed version may be retried.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,8 +50,17 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from ...errors import PlanError, SyncError
 from ...types import ParamMeta, metadata_digest
 from .engine_state import write_inspection
+from .guard import HeldVersions
 from .layerwise import LayerApplier, check_processing, record_vllm_plan, validate_plan, vllm_context
 from .processor import FreshProcessor
+
+log = logging.getLogger("shardsync.vllm")
+
+SHUTDOWN_BOUND_S = 2.0
+"""The most ``shutdown`` waits for the consumer to close. vLLM gives a worker process
+``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s) before it escalates to SIGTERM/SIGKILL, and an in-process
+engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) shuts down inside the driver's own exit: saying goodbye to
+producers that stopped answering must hold neither."""
 
 
 @dataclass
@@ -62,6 +82,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     replica: str = "r0"
     """This engine's replica id (consumers are ``{replica}/rank{R}``)."""
     timeout_s: float = 120.0
+    verify_checksums: bool = False
+    """Pull mode: demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
     inspect_to: str = ""
     """Only write what the engine holds now (every tensor, probe outputs) to
     ``{inspect_to}/inspect_rank{R}.safetensors`` and return: no plan, engine state untouched. Used to
@@ -129,14 +151,15 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.consumer = None
         self.applier: LayerApplier | None = None
         self.processor: FreshProcessor | None = None
-        self.version = 0
+        self.held = HeldVersions()
+        """Which version each weight group holds: torn or not, and the last complete version."""
         self.plan_dir = ""
         self._applied: set[str] = set()
         self._op = "sync"
         self._bytes = 0
         self._t0 = 0.0
         self._started = self._received = False
-        self.inconsistent = False
+        self._peer_failed = False
 
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
@@ -161,8 +184,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
             self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
                                      apply=self._apply, transport=init_info.transport,
-                                     transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s)
-            self.plan = self.consumer.init()
+                                     transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
+                                     verify_checksums=init_info.verify_checksums)
+            try:
+                self.plan = self.consumer.init()
+            except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init
+                consumer_obj, self.consumer = self.consumer, None
+                _close_bounded(consumer_obj, goodbye=False, rank=self.rank)
+                raise
         else:
             self.plan = record([ParamMeta.from_dict(d) for d in init_info.metadata])
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
@@ -172,6 +201,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
                                         modes={k: r.mode for k, r in kinds.items()})
         self.applier = LayerApplier(self.model, self.plan)
+        self.held.set_groups(g.name for g in self.plan.groups)  # a re-init keeps what each group holds
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
         with open(os.path.join(self.plan_dir, f"plan_rank{self.rank}.json"), "wb") as f:
@@ -182,6 +212,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded),
             "processing": {k: r.to_dict() for k, r in kinds.items()},
             "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
+        self._write_status({"op": "init", "missing_groups": []})
 
     # ---------------------------------------------------------------- update lifecycle
     def start_weight_update(self) -> None:
@@ -199,6 +230,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise
         self._started, self._received = True, False
         self._applied.clear()
+        self.held.begin()
         self._bytes = 0
         self._op = "sync"
         self._t0 = time.perf_counter()
@@ -212,8 +244,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         """Scatter one group into the layerwise buffers and process the layers it completes (in pull mode
         on the consumer's apply thread, in driver mode inline)."""
         assert self.applier is not None
+        self.held.writing(group)  # until it is applied, a failure leaves this group half-written
         with vllm_context(self.vllm_config):
             self.applier.apply(group, buf)
+        self.held.written(group)
         self._applied.add(group)
         self._bytes += self.applier.layouts[group].nbytes
 
@@ -227,27 +261,41 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._received = True
         self._op = info.op
         if info.op == "sync" and self.consumer is not None:  # pull every group from the producers
-            if info.version <= self.version:
-                raise SyncError(f"rank {self.rank}: update version {info.version} is not newer than {self.version}")
-            self.consumer.sync(info.version)
-            self.version = info.version
+            try:
+                self._check_newer(info.version)
+            except SyncError as e:  # the producers stop waiting for this worker at once, told why
+                self.consumer.abandon(info.version, str(e))
+                raise
+            self.held.pending = info.version
+            try:
+                self.consumer.sync(info.version)
+            except BaseException:
+                self._peer_failed = True  # its producers may not answer: shutdown says no goodbye
+                raise
+            self._peer_failed = False
             return
         with vllm_context(self.vllm_config):
             if info.op == "full":  # the baseline: every full tensor reaches every worker, vLLM's loaders keep a share
                 from ...types import dtype_of
 
+                self.held.pending = info.version
+                self.held.writing(*self.held.groups)  # vLLM's loaders write any layer in any order
                 self.model.load_weights([(n, torch.frombuffer(bytearray(b), dtype=dtype_of(d)).view(shape))
                                          for n, d, shape, b in info.tensors])
+                for g in list(self.held.groups):
+                    self.held.written(g)
                 self._bytes = sum(len(t[3]) for t in info.tensors)
-                self.version = info.version
                 return
             if self.consumer is not None:
                 raise SyncError(f"rank {self.rank}: this engine pulls from producers; packed groups were pushed")
             if info.plan_digest != self.plan.digest:
                 raise PlanError(f"rank {self.rank}: update packed for plan {info.plan_digest[:12]!r}, this worker "
                                 f"recorded {self.plan.digest[:12]!r}")
-            if info.version <= self.version:
-                raise SyncError(f"rank {self.rank}: update version {info.version} is not newer than {self.version}")
+            self._check_newer(info.version)
+            if self.held.pending is not None and info.version != self.held.pending:
+                raise SyncError(f"rank {self.rank}: this window applies version {self.held.pending}; a chunk of "
+                                f"version {info.version} was pushed into it")
+            self.held.pending = info.version
             for gname, data in info.groups:
                 if gname not in self.applier.layouts:
                     raise SyncError(f"rank {self.rank}: received group {gname!r}, which is not in its plan")
@@ -256,7 +304,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                     raise SyncError(f"rank {self.rank}: group {gname!r} has {len(data)} bytes, expected {expected}")
                 buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
                 self._apply(gname, buf)
-            self.version = info.version
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self.held.version:
+            raise SyncError(f"rank {self.rank}: update version {version} is not newer than the last complete "
+                            f"version {self.held.version}")
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -265,48 +317,92 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise SyncError(f"rank {self.rank}: finish_weight_update before init_weight_transfer_engine")
         self._started = False
         missing = [g.name for g in self.plan.groups if g.name not in self._applied] if self._op == "sync" else []
-        self.inconsistent = bool(missing)
+        if self.held.pending is None:  # a window without any update: nothing applied, nothing changes
+            missing = []
         try:
             with vllm_context(self.vllm_config):
                 finalize_layerwise_reload(self.model, self.model_config)
+        except BaseException as e:
+            self.held.end(failed=f"finish_weight_update failed: {e}")
+            raise
         finally:
             self.processor.end()
-        status = {"rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
-                  "seconds": time.perf_counter() - self._t0, "missing_groups": missing,
-                  "inconsistent": self.inconsistent, "processed_modules": len(self.processor.processed),
-                  "rebound_modules": len(self.processor.rebound)}
-        _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
+        self.held.end(failed=f"finished without groups {missing[:5]} ({len(missing)} missing)" if missing else "")
+        self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
+                            "processed_modules": len(self.processor.processed),
+                            "rebound_modules": len(self.processor.rebound)})
         if missing:
-            raise SyncError(f"rank {self.rank}: sync finished without groups {missing[:5]} ({len(missing)} missing): "
-                            "those layers keep their previous weights while the others have the new ones — the "
-                            "engine holds MIXED versions until a later sync succeeds")
+            raise SyncError(f"rank {self.rank}: sync of version {self.held.pending} finished without groups "
+                            f"{missing[:5]} ({len(missing)} missing): " + (
+                                f"the engine holds TORN weights ({self.held.holds()}) and refuses to serve until a "
+                                "later sync completes" if self.held.torn else
+                                f"nothing was applied, the engine keeps version {self.held.version}"))
 
     def reset_weight_update_target(self) -> None:
-        """vLLM calls this after a failed start/update (and after every finish): a window left open by a
-        failure is closed here, so the engine serves its live tensors again (mixed versions if some layers
-        were already applied — reported) and the next start_weight_update works."""
+        """vLLM calls this after a failed start/update (and after every finish; the guard calls it after a
+        failed finish, and on every rank after a failed update): a window left open by a failure is closed
+        here — every layer not yet applied gets its live tensors back, the next start_weight_update works —
+        and if some layers were already applied this rank is TORN, which the guard refuses to serve."""
         super().reset_weight_update_target()
         if self._started:
             self._abort("the update failed before finish_weight_update")
 
     def _abort(self, why: str) -> None:
         self._started = False
-        self.inconsistent = bool(self._applied)
+        self.held.end(failed=why)
         if self.processor is not None and self.processor.open:
             self.processor.end()
         if self.plan is not None and self.plan_dir:
             missing = [g.name for g in self.plan.groups if g.name not in self._applied]
-            _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), {
-                "rank": self.rank, "op": self._op, "version": self.version, "bytes_received": self._bytes,
-                "seconds": time.perf_counter() - self._t0, "missing_groups": missing, "aborted": why,
-                "inconsistent": self.inconsistent})
+            self._write_status({"op": self._op, "missing_groups": missing, "aborted": why,
+                                "seconds": time.perf_counter() - self._t0})
+
+    @property
+    def version(self) -> int:
+        """The last version this rank received COMPLETELY (0: the weights it was started with)."""
+        return self.held.version
+
+    def sync_state(self) -> dict[str, Any]:
+        """What this rank holds (read by the engine core's guard after every weight RPC)."""
+        return {"rank": self.rank, **self.held.state()}
+
+    def _write_status(self, extra: dict[str, Any]) -> None:
+        if not self.plan_dir:
+            return
+        status = {"rank": self.rank, "version": self.held.pending if self.held.pending is not None else self.version,
+                  "bytes_received": self._bytes, **self.sync_state(), "inconsistent": self.held.torn, **extra}
+        _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
 
     def shutdown(self) -> None:
+        """Bounded (``SHUTDOWN_BOUND_S``): after a failed pull the producers may be gone or stalled, and a
+        goodbye that waited for them kept an in-process engine's driver from exiting (~30 s per stalled peer
+        connection) and outlasted vLLM's grace for a worker process (which is then killed, not shut down)."""
         if self._started:
             self._abort("shutdown during an update")
-        if self.consumer is not None:
-            self.consumer.close()
-            self.consumer = None
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            _close_bounded(consumer, goodbye=not self._peer_failed, rank=self.rank)
         self.applier = None
         self.processor = None
         self.plan = None
+
+
+def _close_bounded(consumer: Any, *, goodbye: bool, rank: int, bound_s: float = SHUTDOWN_BOUND_S) -> bool:
+    """``consumer.close()`` on a daemon thread, waited for at most ``bound_s``: True if it finished. What it
+    still waits on (a peer that does not answer) ends with its own timeouts or with the process."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            consumer.close(goodbye=goodbye)
+        except Exception as e:  # closing is best effort: the process is going away or the sync failed
+            log.warning("rank %d: closing the shardsync consumer failed: %s", rank, e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"shardsync-close-rank{rank}", daemon=True).start()
+    if not done.wait(bound_s):
+        log.warning("rank %d: the shardsync consumer did not close within %.1f s (a producer does not answer); "
+                    "not waiting for it", rank, bound_s)
+        return False
+    return True

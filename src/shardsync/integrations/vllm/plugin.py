@@ -1,5 +1,6 @@
 """vLLM general plugin: registers the ``shardsync`` weight-transfer backend (once per process) and
-records each module's first-load state when vLLM builds a model (``fresh.install_snapshot_hook``)."""
+records each module's first-load state when vLLM builds a model (``fresh.install_snapshot_hook``), and installs
+the engine core's torn-weights guard (``guard.install``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def register() -> None:
     from .fresh import install_snapshot_hook
 
     install_snapshot_hook()  # every process that may build a model: record each module's first-load state
+    from .guard import install as install_torn_guard
+
+    install_torn_guard()  # every engine core: a torn engine (last sync incomplete) serves nothing
     if BACKEND in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
         return
     WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
