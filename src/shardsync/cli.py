@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--lease", type=float, default=2.0, help="lease seconds (the detection bound)")
     c.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    c.add_argument("--vllm", action="store_true",
+                   help="the configuration with real vLLM engines (each killed as a whole process group)")
     c.add_argument("--json", action="store_true")
     sm = sub.add_parser("simulate", help="the real planner/router at cluster scale on meta tensors: SoL and predicted time")
     sm.add_argument("--preset", choices=["kimi-k2-48n", "qwen3-235b-4n"])
@@ -106,6 +108,11 @@ def _run(args: argparse.Namespace) -> int:
                           transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
     if args.cmd == "chaos":
+        if args.vllm:
+            from .tools.chaos_vllm import run_chaos_vllm
+
+            r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
+            return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] else 0
         from .tools.chaos import KINDS, run_chaos
 
         kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS

@@ -220,13 +220,17 @@ class Consumer:
             old = self.clients.pop(p, None)
             if old is not None:
                 old.close()
-            self.clients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
-                                              connect_timeout_s=self.lease_s)
-            self.transport.connect(p, desc)
+            try:
+                self.clients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
+                                                  connect_timeout_s=self.lease_s)
+                self.transport.connect(p, desc)
+            except TransportError as e:
+                raise self._lost(p, -1, "", e) from None
             self.peers[p] = (inc, desc)
 
     def _lost(self, p: int, version: int, group: str, e: Exception) -> ProducerLost:
-        err = ProducerLost(f"consumer {self.id}: producer {p} lost during version {version} (group {group!r}): {e}")
+        where = f"during version {version} (group {group!r})" if group else "when connecting"
+        err = ProducerLost(f"consumer {self.id}: producer {p} lost {where}: {e}")
         err.producer = p  # type: ignore[attr-defined]
         return err
 
