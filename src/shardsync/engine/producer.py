@@ -324,6 +324,8 @@ class Producer:
                     self._drop(st, c, f"abandoned version {version}: {why}")
                 for old in [v for v in self.versions if v < version - 4]:
                     del self.versions[old]
+                for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin
+                    del self.abandoned[old]
             self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
                                              desc=self.desc), timeout_s=self.cfg.timeout_s)
             return self._sync(version, st)
@@ -393,6 +395,7 @@ class Producer:
             st.done = True
             st.ready.clear()
         outcome = self._outcome(version, st)
+        self._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
                           max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
                           completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
@@ -430,7 +433,7 @@ class Producer:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer
         exiting right after ``sync`` must not cut a consumer's last ``Released`` short)."""
         deadline = time.monotonic() + timeout_s
-        while self.server.inflight("Released", "Abandon") and time.monotonic() < deadline:
+        while self.server.inflight("Released", "Abandon", "Completed") and time.monotonic() < deadline:
             time.sleep(0.002)
 
     def close(self) -> None:
