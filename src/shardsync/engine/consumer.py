@@ -237,8 +237,9 @@ class Consumer:
     def _check_peers(self, p: int, version: int, group: str) -> None:
         assert self.heartbeat is not None
         view = self.heartbeat.view()
-        if p in view["dead_producers"]:
-            raise self._lost(p, version, group, TransportError(view["dead_producers"][p]))
+        dead = view["dead_producers"].get(p)
+        if dead is not None and dead[0] >= self.peers.get(p, (-1,))[0]:  # not a stale entry for a restarted rank
+            raise self._lost(p, version, group, TransportError(dead[1]))
         if version in view["failed"]:
             raise SyncError(f"consumer {self.id}: version {version} failed: {view['failed'][version]}")
 

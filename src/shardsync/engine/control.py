@@ -126,7 +126,8 @@ class SyncView(_M):
     """consumer -> [plan digest, session]: the consumers this version is served to (fixed at its start)."""
     epoch: int
     producers: list[dict[str, Any]]
-    """[{"rank", "incarnation", "address", "desc"}] (filled for consumers; ready for this version)."""
+    """[{"rank", "incarnation", "address", "desc"}] ready for this version (for a producer: every rank's
+    current incarnation)."""
 
 
 class Completed(_M):  # consumer -> coordinator: it holds this version, every group applied
@@ -159,7 +160,8 @@ class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (ran
 class Lease(_M):
     dead: list[list[str]]
     """[[consumer, session, reason]] of members dropped since init (lease expired, abandoned, replaced)."""
-    dead_producers: dict[int, str]
+    dead_producers: dict[int, list[Any]]
+    """rank -> [incarnation that died, reason] (a restarted rank's new incarnation is not dead)."""
     left: list[list[Any]]
     """[[version, consumer, session, reason]]: consumers that abandoned one version."""
     failed: dict[int, str]

@@ -252,7 +252,8 @@ class Coordinator:
             self.cv.notify_all()
             members = {c: list(ds) for c, ds in v.members.items()}
             if not msg.consumer:
-                return m.SyncView(version=msg.version, members=members, epoch=v.epoch, producers=[])
+                return m.SyncView(version=msg.version, members=members, epoch=v.epoch, producers=[
+                    {"rank": r, "incarnation": p.incarnation} for r, p in sorted(self.ms.producers.items())])
             if msg.consumer not in v.members or v.members[msg.consumer][1] != msg.session:
                 raise NotMember(f"consumer {msg.consumer!r} (re)joined after version {msg.version} began; it "
                                 "receives the next version")
@@ -264,7 +265,7 @@ class Coordinator:
                     raise SyncError(f"version {msg.version} failed: {v.failed}")
                 dead = [r for r in used if r in self.ms.dead_producers]
                 if dead:
-                    raise ProducerLost(f"version {msg.version}: " + "; ".join(self.ms.dead_producers[r] for r in dead))
+                    raise ProducerLost(f"version {msg.version}: " + "; ".join(self.ms.dead_producers[r][1] for r in dead))
                 return all(v.ready.get(r) == self.ms.producers[r].incarnation for r in used)
 
             self._wait(ready, lambda: f"producers {[r for r in used if v.ready.get(r) != self.ms.producers[r].incarnation]}"

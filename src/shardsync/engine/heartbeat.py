@@ -7,7 +7,7 @@ within the lease bound without any collective. If the coordinator cannot be reac
 reply (this consumer's lease expired, e.g. it was paused) calls ``on_dropped`` — the consumer rejoins::
 
     hb = Heartbeat(coordinator, token, Renew(consumer=cid, session=s), lease_s=10, who="consumer r0/tp0")
-    hb.view()    # {"dead": [[cid, session, why]], "dead_producers": {rank: why}, "failed": {version: why}}
+    hb.view()    # {"dead": [[cid, session, why]], "dead_producers": {rank: [incarnation, why]}, "failed": {version: why}}
     hb.stop()
 """
 

@@ -65,7 +65,7 @@ class Membership:
         self.consumers: dict[str, _Consumer] = {}
         self.producers: dict[int, _Producer] = {}
         self.dead: OrderedDict[tuple[str, str], str] = OrderedDict()  # (consumer, session) -> reason
-        self.dead_producers: dict[int, str] = {}
+        self.dead_producers: dict[int, tuple[int, str]] = {}  # rank -> (incarnation that died, why)
         self.versions: OrderedDict[int, _Version] = OrderedDict()
         self.failed_init: dict[str, str] = {}  # consumers that failed before registering -> reason
         self.left: OrderedDict[tuple[int, str, str], str] = OrderedDict()  # (version, consumer, session) -> why
@@ -124,7 +124,8 @@ class Membership:
                 self.drop(cid, c.session, f"lease expired: no heartbeat for {self.lease_s:g} s")
         for r, p in self.producers.items():
             if r != 0 and r not in self.dead_producers and now > p.lease_until:
-                self.dead_producers[r] = f"producer {r} lease expired: no heartbeat for {self.lease_s:g} s"
+                self.dead_producers[r] = (p.incarnation, f"producer {r} (incarnation {p.incarnation}) lease expired: "
+                                                         f"no heartbeat for {self.lease_s:g} s")
 
     # -------------------------------------------------------------- producers
     def join(self, rank: int, address: list[Any], held: list[str] | None) -> int:
@@ -144,7 +145,7 @@ class Membership:
         self.expire()
         p = self.producer(rank, incarnation)
         if rank in self.dead_producers:
-            raise ConsumerDropped(f"producer {rank}: {self.dead_producers[rank]}; it must join again")
+            raise ConsumerDropped(f"producer {rank}: {self.dead_producers[rank][1]}; it must join again")
         p.lease_until = self.clock() + self.lease_s
 
     def producer_ready(self, rank: int, incarnation: int, version: int, desc: dict[str, Any]) -> None:
@@ -191,6 +192,6 @@ class Membership:
     def lease_view(self) -> dict[str, Any]:
         self.expire()
         return {"dead": [[c, s, why] for (c, s), why in self.dead.items()],
-                "dead_producers": dict(self.dead_producers),
+                "dead_producers": {r: list(d) for r, d in self.dead_producers.items()},
                 "left": [[v, c, s, why] for (v, c, s), why in self.left.items()],
                 "failed": {n: v.failed for n, v in self.versions.items() if v.failed}}

@@ -102,6 +102,7 @@ class _VersionState:
     dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
     failed: str = ""
     done: bool = False
+    incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
 
 
 class Producer:
@@ -212,7 +213,8 @@ class Producer:
         for v, cid, session, why in view["left"]:
             if v == version and st.members.get(cid, ("", ""))[1] == session:
                 self._drop(st, cid, f"abandoned version {version}: {why}")
-        dead = {int(r): why for r, why in view["dead_producers"].items()}
+        dead = {int(r): why for r, (inc, why) in view["dead_producers"].items()  # a stale entry for a rank that
+                if inc >= st.incarnations.get(int(r), -1)}                         # rejoined since is not a death
         if dead:
             raise ProducerLost(f"producer {self.cfg.rank}, version {version}: " + "; ".join(dead.values()))
         why = view["failed"].get(version)
@@ -319,7 +321,8 @@ class Producer:
             digests = {u.digest for us in self.units.values() for u in us}
             with self.cv:
                 st = self.versions[version] = _VersionState(
-                    {c: (d, s) for c, (d, s) in view.members.items() if d in digests})
+                    {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
+                    incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
                 for c, why in self.abandoned.pop(version, {}).items():
                     self._drop(st, c, f"abandoned version {version}: {why}")
                 for old in [v for v in self.versions if v < version - 4]:

@@ -222,7 +222,8 @@ def _score(t: _Tally, r: dict, kind: str, victim: Any, t_fault: float | None, cl
                     t.rejoined_mismatched += 1
         elif kind != "producer_kill" and c["consumer"] != victim and c["consumer"] not in rejoining:
             t.unexpected += 1  # a bystander failed a sync it should have completed
-            t.notes.append(f"v{r['version']} {kind}: {c['consumer']} failed: {c['error'][:300]}")
+            t.notes.append(f"v{r['version']} {kind}: {c['consumer']} failed: {c['error'][:600]}")
+            print("UNEXPECTED " + t.notes[-1], file=sys.stderr)
     if not r["failed"]:
         t.completed += 1
     for p in r["producers"]:
