@@ -38,7 +38,7 @@ import torch
 
 from . import control as m
 from .heartbeat import Heartbeat
-from .wire import DEFAULT_MAX_FRAME
+from .wire import DEFAULT_MAX_FRAME, chunk_checksum
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
 from ..plan.pack import GroupLayout
 from ..plan.route import chunk_layouts, holders_from_ownership
@@ -293,9 +293,7 @@ class Consumer:
                 raise ChecksumError(f"consumer {self.id}: producer {p} sent chunk {chunk} of group {group!r} without "
                                     "a checksum, and this consumer requires them (ProducerConfig.verify_checksums)")
             return
-        import xxhash
-
-        found = xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+        found = chunk_checksum(data)
         if found != checksum:
             raise ChecksumError(f"consumer {self.id}: chunk {chunk} of group {group!r} from producer {p} (version "
                                 f"{version}) has checksum {found:#x}, the producer computed {checksum:#x}")

@@ -40,7 +40,7 @@ import torch
 from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
-from .wire import DEFAULT_MAX_FRAME
+from .wire import DEFAULT_MAX_FRAME, chunk_checksum
 from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
 from ..plan.groups import group_order
 from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
@@ -156,11 +156,10 @@ class Producer:
                 self._member(st, msg.consumer, msg.session, msg.version)
                 if isinstance(msg, m.Released):
                     st.pending.get(msg.group, set()).discard(msg.consumer)
-                elif msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all
-                    st.failed = st.failed or (f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
-                                              f"{msg.reason}")
-                    self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
                 else:
+                    if msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all
+                        st.failed = st.failed or (f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
+                                                  f"{msg.reason}")
                     self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
                 self.cv.notify_all()
             return m.Ack()
@@ -381,7 +380,7 @@ class Producer:
                 c = u.chunk
                 region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
                 u.packer.pack(full, region, c, base=c.start)
-                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, _checksum(region)
+                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
                                         if self.cfg.verify_checksums else -1])
                 sent += c.nbytes * len(live.get(u.digest, ()))
             del full  # rule 2: gathered tensors are not kept past packing
@@ -448,9 +447,3 @@ class Producer:
         client = getattr(self, "client", None)
         if client is not None:
             client.close()
-
-
-def _checksum(region: torch.Tensor) -> int:
-    import xxhash
-
-    return xxhash.xxh3_64_intdigest(memoryview(region.numpy()))

@@ -23,7 +23,7 @@ from ..errors import AuthError, TransportError
 from ..transport.tcp import recv_exact
 
 __all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
-           "send_frame", "recv_frame"]
+           "send_frame", "recv_frame", "chunk_checksum"]
 
 MAX_TOKEN_BYTES = 256
 DEFAULT_MAX_FRAME = 256 << 20
@@ -66,3 +66,10 @@ def recv_frame(sock: socket.socket, *, max_frame_bytes: int) -> bytes:
     if n > max_frame_bytes:
         raise FrameTooLarge(f"peer announced a {n}-byte frame, the limit is {max_frame_bytes}")
     return recv_exact(sock, n)
+
+
+def chunk_checksum(data) -> int:
+    """xxh3-64 of a contiguous uint8 CPU tensor: what a producer sends with a chunk and a consumer recomputes."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
