@@ -16,6 +16,8 @@ FORBIDDEN = {
     "transport": ("shardsync.plan", "shardsync.engine", "shardsync.integrations", "shardsync.tools", "shardsync.zoo",
                   "shardsync.cli"),
     "engine": ("shardsync.integrations", "shardsync.tools", "shardsync.zoo", "shardsync.cli", "vllm", "ray"),
+    "sources": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.tools", "shardsync.zoo",
+                "shardsync.cli", "vllm", "ray"),
     "integrations": ("shardsync.tools", "shardsync.zoo", "shardsync.cli"),
     "tools": ("shardsync.cli",),
 }

@@ -7,12 +7,14 @@ The consumer's half of the schedule:
 2. Each sync starts with ``BeginSync``: this consumer must be a member of the version, and learns the
    current address and transport descriptor of the producers it pulls from (a restarted producer is
    reconnected here).
-3. Groups are pulled in transfer order into a ring of ``recv_slots`` receive buffers (each the size
-   of the largest group). For each group, every chunk is read from the producer routed to it, as soon
-   as that producer says ``Ready``; ``Released`` goes back right after the bytes have landed.
-4. A full group goes to the apply thread (unpack → scatter into the engine's buffers → the engine's
-   per-layer processing), which overlaps the pulls of the next groups; a receive slot is reused once
-   its group has been applied.
+3. One puller thread per producer, all at once (every PP stage, every EP rank concurrently): each asks
+   its producer for "the next group you have for me" (producers pack in transfer order), reads that
+   group's chunks into the group's receive slot (``engine/recvslots.py``: ``recv_slots`` buffers of the
+   largest group's size, allocated once — the receive-memory budget; its rules say why this cannot
+   deadlock) and sends ``Released`` right after the bytes have landed.
+4. A group whose every producer's part has landed goes to the apply thread (unpack → scatter into the
+   engine's buffers → the engine's per-layer processing), which overlaps the pulls; its slot is reused
+   once it has been applied. Groups may complete out of transfer order (PP stages in parallel).
 5. A producer that dies or stops answering is detected within the lease bound (its connection breaks,
    a poll is not answered, or the coordinator reports it dead): :class:`ProducerLost`. Any failure —
    or a version this engine rejects — is sent to the producers (``Abandon``) before it is raised, so
@@ -38,7 +40,8 @@ import torch
 
 from . import control as m
 from .heartbeat import Heartbeat
-from .wire import DEFAULT_MAX_FRAME, chunk_checksum
+from .recvslots import RecvSlots
+from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
 from ..plan.pack import GroupLayout
 from ..plan.route import chunk_layouts, holders_from_ownership
@@ -56,17 +59,20 @@ def _expect(reply: Any, cls: type, peer: str) -> Any:
 
 
 class Consumer:
-    def __init__(self, consumer_id: str, coordinator: list[Any], *, token: str, record: RecordFn, apply: ApplyFn,
+    def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, token: str, record: RecordFn, apply: ApplyFn,
                  transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
-                 timeout_s: float = 120.0, recv_slots: int = 2, init_timeout_s: float = 600.0,
+                 timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
+                 recv_budget_bytes: int | None = None,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME):
-        self.id, self.coordinator, self.token = consumer_id, coordinator, token
+        self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
         if transport == "tcp":
             kw.setdefault("token", token)  # the data plane is authenticated with the group's token too
         self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
+        self.recv_budget_bytes = recv_budget_bytes
+        """Receive memory cap: ``recv_slots`` is lowered to fit it (at least 2 slots of the largest group)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
         self.stats: dict[str, Any] = {}
         self.version = 0
@@ -92,9 +98,21 @@ class Consumer:
         try:
             self.metas = [ParamMeta.from_dict(d) for d in w.metadata]
             self.plan = self.record(self.metas)
+            holders = holders_from_ownership(w.held, [x.name for x in self.metas])
+            self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders,
+                                                                 max_chunk_bytes=w.max_chunk_bytes)
+            slot = max(max((lay.nbytes for lay in self.layouts.values()), default=0), 1)
+            n = self.recv_slots
+            if self.recv_budget_bytes is not None:
+                n = min(n, self.recv_budget_bytes // slot)
+                if n < 2:
+                    raise SyncError(f"consumer {self.id}: recv_budget_bytes={self.recv_budget_bytes} holds fewer than "
+                                    f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
+            self.slots = [torch.empty(slot, dtype=torch.uint8) for _ in range(n)]
             routes = _expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
                                                             plan=self.plan.to_json()),
                                              timeout_s=self.init_timeout_s + 5), m.Routes, peer)
+            self.routes = routes.routes
         except BaseException as e:  # tell the coordinator now: init must not wait for this consumer
             try:
                 self.coord.call(m.InitFailed(consumer=self.id, session=self.session, reason=f"{type(e).__name__}: {e}"),
@@ -103,11 +121,6 @@ class Consumer:
                 pass
             self.heartbeat.stop()
             raise
-        holders = holders_from_ownership(w.held, [x.name for x in self.metas])
-        self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders, max_chunk_bytes=w.max_chunk_bytes)
-        self.routes = routes.routes
-        slot = max((lay.nbytes for lay in self.layouts.values()), default=0)
-        self.slots = [torch.empty(max(slot, 1), dtype=torch.uint8) for _ in range(self.recv_slots)]
         self.stats = {"consumer": self.id, "init_s": time.perf_counter() - t0, "plan_bytes": self.plan.nbytes,
                       "producers": sorted({p for per in self.routes.values() for p in per})}
         return self.plan
@@ -161,55 +174,73 @@ class Consumer:
         view = _expect(self.coord.call(m.BeginSync(version=version, consumer=self.id, session=session),
                                        timeout_s=self.timeout_s + 5), m.SyncView, "coordinator (producer 0)")
         self._connect(view.producers)
-        free: queue.Queue[int] = queue.Queue()
-        for i in range(self.recv_slots):
-            free.put(i)
-        work: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        order = [g.name for g in self.plan.groups]
+        slots = RecvSlots(len(self.slots), order)
+        serving = {p: [g for g in order if p in self.routes[g]] for p in sorted({p for per in self.routes.values()
+                                                                                for p in per})}
+        missing = {g: set(self.routes[g]) for g in order}  # group -> producers whose part has not landed
+        work: queue.Queue[str | None] = queue.Queue()
         errors: list[BaseException] = []
+        failing = threading.Event()
         applied = [0.0]
+        lock = threading.Lock()
+        received = [0]
 
         def applier() -> None:
             while True:
-                item = work.get()
-                if item is None:
+                g = work.get()
+                if g is None:
                     return
-                g, s = item
                 try:
                     if not errors:
                         ta = time.perf_counter()
                         applied_any[0] = True
-                        self.apply(g, self.slots[s])
+                        self.apply(g, self.slots[slots.slot[g]])
                         applied[0] += time.perf_counter() - ta
-                except BaseException as e:  # surfaces in the pulling thread
+                except BaseException as e:  # surfaces in the calling thread
                     errors.append(e)
+                    failing.set()
                 finally:
-                    free.put(s)
+                    slots.release(g)
+
+        def puller(p: int) -> None:  # rule 3: one per producer, all at once
+            try:
+                for _ in serving[p]:
+                    if failing.is_set():
+                        return
+                    g, n = self._pull_next(p, version, session, serving[p], slots, failing)
+                    with lock:
+                        received[0] += n
+                        missing[g].discard(p)
+                        done = not missing[g]
+                    if done:
+                        work.put(g)
+            except BaseException as e:
+                errors.append(e)
+                failing.set()
+                slots.wake()
 
         th = threading.Thread(target=applier, name=f"shardsync-apply-{self.id}", daemon=True)
         self._apply_thread = th
         th.start()
-        received = 0
+        pullers = [threading.Thread(target=puller, args=(p,), name=f"shardsync-pull-{self.id}-p{p}", daemon=True)
+                   for p in serving]
         try:
-            for g in self.plan.groups:
-                if errors:
-                    break
-                try:
-                    s = free.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise TransportError(f"consumer {self.id}: no receive slot freed within {self.timeout_s} s "
-                                         f"(applying a group is stuck)") from None
-                received += self._pull_group(version, session, g.name, self.slots[s])
-                work.put((g.name, s))
+            for t in pullers:
+                t.start()
+            for t in pullers:
+                t.join()  # every wait inside a puller is bounded by timeout_s / the lease
         finally:
             work.put(None)
             th.join(timeout=self.timeout_s)
         if errors:
-            raise errors[0]
+            raise next((e for e in errors if isinstance(e, (ProducerLost, ChecksumError))), errors[0])
         if th.is_alive():
             raise SyncError(f"consumer {self.id}: applying version {version} did not finish within {self.timeout_s} s")
         self.coord.call(m.Completed(consumer=self.id, session=session, version=version), timeout_s=self.lease_s + 1)
-        self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=received,
-                          apply_s=applied[0], rejoins=self.rejoins)
+        self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=received[0],
+                          apply_s=applied[0], rejoins=self.rejoins, recv_slots_used=slots.max_in_use,
+                          recv_bytes=len(self.slots) * self.slots[0].numel(), pulled_from=sorted(serving))
         return dict(self.stats)
 
     def _connect(self, producers: list[dict[str, Any]]) -> None:
@@ -243,49 +274,54 @@ class Consumer:
         if version in view["failed"]:
             raise SyncError(f"consumer {self.id}: version {version} failed: {view['failed'][version]}")
 
-    def _pull_group(self, version: int, session: str, group: str, buf: torch.Tensor) -> int:
-        lay = self.layouts[group]
-        per_chunk = self.routes[group]
-        got = 0
+    def _pull_next(self, p: int, version: int, session: str, expect: list[str], slots: RecvSlots,
+                   failing: threading.Event) -> tuple[str, int]:
+        """Ask producer ``p`` for the next group it has for us, read its chunks into the group's slot, release."""
         deadline = time.monotonic() + self.timeout_s
-        for p in sorted(set(per_chunk)):
-            while True:  # short polls: a stopped producer is noticed within the lease, a slow one waited for
-                self._check_peers(p, version, group)
-                try:
-                    ready = self.clients[p].call(m.WaitReady(consumer=self.id, session=session, version=version,
-                                                             group=group), timeout_s=self.lease_s + 1)
-                except TransportError as e:
-                    raise self._lost(p, version, group, e) from None
-                if not isinstance(ready, m.Pending):
-                    break
-                if time.monotonic() > deadline:
-                    raise TransportError(f"consumer {self.id}: producer {p} did not pack group {group!r} of version "
-                                         f"{version} within {self.timeout_s} s")
-            ready = _expect(ready, m.Ready, f"producer {p}")
-            if (ready.version, ready.group) != (version, group):
-                raise SyncError(f"consumer {self.id}: producer {p} answered for group {ready.group!r} of version "
-                                f"{ready.version}, asked for {group!r} of version {version}")
-            mine = {i for i, q in enumerate(per_chunk) if q == p}
-            if {c[0] for c in ready.chunks} != mine:
-                raise SyncError(f"consumer {self.id}: producer {p} offers chunks {sorted(c[0] for c in ready.chunks)} "
-                                f"of group {group!r}, routes say {sorted(mine)}")
-            for ci, off, n, checksum in ready.chunks:
-                c = lay.chunks[ci]
-                if n != c.nbytes:
-                    raise SyncError(f"consumer {self.id}: chunk {ci} of {group!r} is {n} bytes, expected {c.nbytes}")
-                dst = buf[c.start: c.start + n]
-                try:
-                    self.transport.read(p, off, n, dst, timeout_s=max(self.lease_s, n / 50e6))
-                except TransportError as e:
-                    raise self._lost(p, version, group, e) from None
-                self._verify(dst, checksum, p, group, ci, version)
-                got += n
+        while True:  # short polls: a stopped producer is noticed within the lease, a slow one waited for
+            self._check_peers(p, version, "")
+            if failing.is_set():
+                raise SyncError(f"consumer {self.id}: version {version} is failing (another puller or the apply)")
             try:
-                self.clients[p].call(m.Released(consumer=self.id, session=session, version=version, group=group),
-                                     timeout_s=self.lease_s + 1)
+                ready = self.clients[p].call(m.WaitReady(consumer=self.id, session=session, version=version,
+                                                         group=""), timeout_s=self.lease_s + 1)
+            except TransportError as e:
+                raise self._lost(p, version, "", e) from None
+            if not isinstance(ready, m.Pending):
+                break
+            if time.monotonic() > deadline:
+                raise TransportError(f"consumer {self.id}: producer {p} packed nothing more for version {version} "
+                                     f"within {self.timeout_s} s (still expected from it: {expect[:3]}...)")
+        ready = _expect(ready, m.Ready, f"producer {p}")
+        group = ready.group
+        if ready.version != version or group not in expect:
+            raise SyncError(f"consumer {self.id}: producer {p} offered group {group!r} of version {ready.version}; "
+                            f"routes say it serves {expect[:3]}... of version {version}")
+        lay, per_chunk = self.layouts[group], self.routes[group]
+        mine = {i for i, q in enumerate(per_chunk) if q == p}
+        if {c[0] for c in ready.chunks} != mine:
+            raise SyncError(f"consumer {self.id}: producer {p} offers chunks {sorted(c[0] for c in ready.chunks)} "
+                            f"of group {group!r}, routes say {sorted(mine)}")
+        buf = self.slots[slots.acquire(group, timeout_s=self.timeout_s, abort=failing,
+                                       what=f"group {group!r} of version {version}")]
+        got = 0
+        for ci, off, n, checksum in ready.chunks:
+            c = lay.chunks[ci]
+            if n != c.nbytes:
+                raise SyncError(f"consumer {self.id}: chunk {ci} of {group!r} is {n} bytes, expected {c.nbytes}")
+            dst = buf[c.start: c.start + n]
+            try:
+                self.transport.read(p, off, n, dst, timeout_s=max(self.lease_s, n / 50e6))
             except TransportError as e:
                 raise self._lost(p, version, group, e) from None
-        return got
+            self._verify(dst, checksum, p, group, ci, version)
+            got += n
+        try:
+            self.clients[p].call(m.Released(consumer=self.id, session=session, version=version, group=group),
+                                 timeout_s=self.lease_s + 1)
+        except TransportError as e:
+            raise self._lost(p, version, group, e) from None
+        return group, got
 
     def _verify(self, data: torch.Tensor, checksum: int, p: int, group: str, chunk: int, version: int) -> None:
         if checksum < 0:

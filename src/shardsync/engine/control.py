@@ -24,7 +24,9 @@ from typing import Any, Callable, Union
 import msgspec
 
 from ..errors import AuthError, ShardsyncError, TransportError
-from .wire import DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, recv_frame, send_frame
+from ..transport.tcp import advertised
+from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, parse_address, recv_frame,
+                   send_frame)
 
 __all__ = ["ControlServer", "ControlClient", "Msg"]
 log = logging.getLogger("shardsync.control")
@@ -228,7 +230,7 @@ class ControlServer:
         self.max_frame_bytes, self.idle_timeout_s, self.auth_timeout_s = max_frame_bytes, idle_timeout_s, auth_timeout_s
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
-        self.address = [advertise_host or host, self._sock.getsockname()[1]]
+        self.address = [advertised(host, advertise_host), self._sock.getsockname()[1]]
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -323,7 +325,7 @@ class ControlClient:
 
     def __init__(self, address: list[Any], token: str, *, peer: str, connect_timeout_s: float = 30.0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME):
-        self.address, self.token, self.peer = list(address), token, peer
+        self.address, self.token, self.peer = parse_address(address), token, peer
         self.connect_timeout_s, self.max_frame_bytes = connect_timeout_s, max_frame_bytes
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None

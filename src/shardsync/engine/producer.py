@@ -1,15 +1,19 @@
 """Trainer side: gather one weight group at a time, replay + pack, serve pulls, free on release.
 
-The sync schedule (the only place its rules live):
+The sync schedule. What is gathered when is ``engine/schedule.py``'s lockstep (every batch of the
+source iterated on every rank holding part of it, only routed tensors kept, a plan group packed as soon
+as its sources are in); the serving rules live here:
 
 1. A sync serves the consumers that are members of its version (fixed by the coordinator when the
-   version begins: registered, lease live). Groups are served in transfer order (pre, layers, post),
-   only those this rank routes to someone.
-2. A group is gathered (``source.gather``) only when one of ``lookahead + 1`` ring slots is free; its
-   full tensors are dropped as soon as its chunks are packed, so at most ``lookahead + 1`` groups are
-   ever resident (gathered or packed-and-unreleased). ``stats["max_resident"]`` proves it.
+   version begins: registered, lease live). Groups are packed in the schedule's order, only those this
+   rank routes to someone; consumers ask for "the next group you have for me" and so follow that order.
+2. A batch that completes a routed group is gathered only when one of ``lookahead + 1`` ring slots is
+   free; gathered tensors are dropped as soon as no later group reads them, so at most ``lookahead + 1``
+   groups are packed-and-unreleased (``stats["max_resident"]``) and at most the schedule's
+   ``peak_bytes`` of full tensors are resident (``stats["peak_gathered_bytes"]``, checked against
+   ``gather_budget_bytes`` at init).
 3. Gathering and packing group g+1 overlaps the consumers' pulls of group g (they pull as soon as
-   ``Ready`` says so; this thread moves on to g+1).
+   ``Ready`` says so; this thread moves on to g+1). Producers of different PP stages serve at once.
 4. Each distinct plan's chunks are packed once; every consumer sharing that plan (the same rank of
    different replicas) pulls the same bytes.
 5. A slot is freed when every member routed to it has sent ``Released`` or has been dropped: it
@@ -40,12 +44,13 @@ import torch
 from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
-from .wire import DEFAULT_MAX_FRAME, chunk_checksum
-from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
-from ..plan.groups import group_order
+from .schedule import lockstep
+from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
+from ..errors import AuthError, ConsumerDropped, MetadataMismatch, ProducerLost, SyncError, TransportError
 from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
 from ..plan.route import chunk_layouts, holders_from_ownership
 from ..source import WeightSource, check_tensor
+from ..sources.adapt import adapt
 from ..transport import Transport, make_transport
 from ..types import Plan, metadata_digest
 
@@ -62,8 +67,8 @@ class ProducerConfig:
     """Address peers are told to use (required in practice when ``host`` is 0.0.0.0)."""
     port: int = 0
     """Control port; rank 0's is the coordinator address consumers are given."""
-    coordinator: list[Any] | None = None
-    """Address of rank 0's control server (ranks > 0)."""
+    coordinator: list[Any] | str | None = None
+    """Address of rank 0's control server (ranks > 0): ``"host:port"`` or ``[host, port]``."""
     transport: str = "tcp"
     transport_kwargs: dict[str, Any] = field(default_factory=dict)
     lookahead: int = 1
@@ -80,6 +85,9 @@ class ProducerConfig:
     verify_checksums: bool = False
     """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    gather_budget_bytes: int | None = None
+    """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
+    the source's largest gather group (plus what must be carried across groups) does not fit."""
 
 
 @dataclass
@@ -97,6 +105,8 @@ class _Unit:
 class _VersionState:
     members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
     ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
+    packed: list[str] = field(default_factory=list)  # groups in the order they were packed
+    offered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # consumer -> groups handed out
     pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
     dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
     dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
@@ -106,9 +116,9 @@ class _VersionState:
 
 
 class Producer:
-    def __init__(self, source: WeightSource, cfg: ProducerConfig, transport: Transport | None = None):
-        self.source, self.cfg = source, cfg
-        self.metas = source.metadata()
+    def __init__(self, source: WeightSource | Any, cfg: ProducerConfig, transport: Transport | None = None):
+        self.source, self.cfg = adapt(source), cfg
+        self.metas = self.source.metadata()
         self._own_transport = transport is None
         self.transport = transport or self._make_transport()
         self.coordinator = Coordinator(
@@ -187,12 +197,22 @@ class Producer:
                     if msg.consumer in st.dropped:
                         raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {msg.consumer!r} was dropped from "
                                               f"version {msg.version}: {st.dropped[msg.consumer]}")
-                    if msg.group in st.ready:
-                        return m.Ready(version=msg.version, group=msg.group, chunks=st.ready[msg.group].get(digest, []))
+                    g = msg.group or self._next_for(st, msg.consumer, digest)
+                    if g and g in st.ready:
+                        st.offered[msg.consumer].add(g)
+                        return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return m.Pending()
                 self.cv.wait(left)
+
+    @staticmethod
+    def _next_for(st: _VersionState, cid: str, digest: str) -> str:
+        """The first group packed for this consumer's plan that it has not been handed yet ("" if none yet)."""
+        for g in st.packed:
+            if digest in st.ready.get(g, {}) and g not in st.offered[cid]:
+                return g
+        return ""
 
     def _drop(self, st: _VersionState, cid: str, why: str) -> None:
         if cid in st.members and cid not in st.dropped:
@@ -236,7 +256,7 @@ class Producer:
     # ------------------------------------------------------------------ init
     def init(self) -> None:
         cfg = self.cfg
-        coord = self.address if cfg.rank == 0 else cfg.coordinator
+        coord = self.address if cfg.rank == 0 else (None if cfg.coordinator is None else parse_address(cfg.coordinator))
         if coord is None:
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
@@ -288,8 +308,16 @@ class Producer:
                         units[g].append(_Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
                         slot_end[g] = _align(slot_end[g] + c.nbytes, 64)
         self.units = units
-        self.order = group_order(units)
-        self.sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in units.items()}
+        needs = {g: frozenset().union(*(u.sources for u in us)) for g, us in units.items()}
+        self.schedule = lockstep(self.source.groups(), needs=needs, held=self.source.held_names(),
+                                 nbytes={x.name: x.nbytes for x in self.metas}, rank=cfg.rank)
+        if cfg.gather_budget_bytes is not None and self.schedule.peak_bytes > cfg.gather_budget_bytes:
+            b = max(range(len(self.schedule.batches)), key=lambda i: self.schedule.batch_bytes[i])
+            raise SyncError(f"producer {cfg.rank}: gathering needs up to {self.schedule.peak_bytes} bytes of full "
+                            f"tensors at once (the largest gather group, starting {self.schedule.batches[b][0]!r}, is "
+                            f"{self.schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
+                            f"{cfg.gather_budget_bytes}")
+        self.order = self.schedule.order
         slot = _align(max(max((u.slot_offset + u.chunk.nbytes for us in units.values() for u in us), default=0), 1), 64)
         self.n_slots = cfg.lookahead + 1
         if self.ring is None or slot > self.slot_bytes:
@@ -304,7 +332,8 @@ class Producer:
             self.desc = self.transport.register(self.ring)
         self.epoch = asg.epoch
         self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
-                      "ring_bytes": self.ring.numel()}
+                      "ring_bytes": self.ring.numel(), "gather_batches": len(self.schedule.batches),
+                      "planned_peak_gathered_bytes": self.schedule.peak_bytes}
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int) -> dict[str, Any]:
@@ -355,40 +384,48 @@ class Producer:
         for c, (d, _) in st.members.items():
             users[d].add(c)
         assert self.ring is not None
-        for g in self.order:
-            def reclaim() -> bool:  # rule 2: a released group frees its slot
-                for gg, s in list(slot_of.items()):
-                    if not st.pending.get(gg):
-                        free.append(s)
-                        del slot_of[gg]
-                return bool(free)
+        ls, it = self.schedule, iter(self.source.iter_groups())
+        kept: dict[str, torch.Tensor] = {}
+        gathered = peak = 0
+
+        def reclaim() -> bool:  # rule 5: a released group frees its slot
+            for gg, s in list(slot_of.items()):
+                if not st.pending.get(gg):
+                    free.append(s)
+                    del slot_of[gg]
+            return bool(free)
+
+        def await_slot(g: str) -> None:
             self._wait(reclaim, lambda: f"a free ring slot for group {g!r} (held by {sorted(slot_of)}: consumers "
                                         f"{sorted({c for gg in slot_of for c in st.pending.get(gg, ())})} have not "
                                         "released them)", version, st)
-            max_resident = max(max_resident, len(slot_of) + 1)
-            slot = free.pop(0)
-            units = self.units[g]
-            full = self.source.gather(self.sources[g])
-            for n, t in full.items():
-                check_tensor(by_name[n], t, rank=self.cfg.rank)
-            full = {n: t.contiguous() for n, t in full.items()}
-            ready: dict[str, list[list[int]]] = defaultdict(list)
-            base = slot * self.slot_bytes
-            with self.cv:
-                live = {d: cs - st.dropped.keys() for d, cs in users.items()}
-            for u in units:
-                c = u.chunk
-                region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-                u.packer.pack(full, region, c, base=c.start)
-                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                        if self.cfg.verify_checksums else -1])
-                sent += c.nbytes * len(live.get(u.digest, ()))
-            del full  # rule 2: gathered tensors are not kept past packing
-            with self.cv:
-                st.pending[g] = set().union(*(users[u.digest] for u in units)) - st.dropped.keys()
-                st.ready[g] = dict(ready)
+
+        for b, expect in enumerate(ls.batches):
+            if ls.pack_after[b]:
+                await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
+            names, tensors = self._next_batch(it, expect, b)
+            now = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            gathered += now
+            for n, t in zip(names, tensors):
+                if n in ls.keep[b]:
+                    if t is None:
+                        raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded no tensor for "
+                                               f"{n!r}, which this rank holds and serves")
+                    check_tensor(by_name[n], t, rank=self.cfg.rank)
+                    kept[n] = t.contiguous()
+            peak = max(peak, now + sum(t.numel() * t.element_size() for n, t in kept.items() if n not in ls.keep[b]))
+            del tensors  # rule 2 of the schedule: the batch is dropped once looked at
+            for g in ls.pack_after[b]:
+                await_slot(g)
+                max_resident = max(max_resident, len(slot_of) + 1)
+                slot = free.pop(0)
+                sent += self._pack(g, slot, kept, users, st)
                 slot_of[g] = slot
-                self.cv.notify_all()
+            for n in ls.drop_after[b]:
+                kept.pop(n, None)
+        if next(it, None) is not None:
+            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded more gather groups than its "
+                                   f"groups() lists ({len(ls.batches)})")
         self._wait(lambda: all(not st.pending.get(g) for g in self.order),
                    lambda: f"every consumer to release version {version} (missing: "
                            f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
@@ -400,9 +437,44 @@ class Producer:
         self._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
                           max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
+                          gathered_bytes=gathered, peak_gathered_bytes=peak,
                           completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                           dropped_at=dict(st.dropped_at))
         return dict(self.stats)
+
+    def _next_batch(self, it: Any, expect: list[str], b: int) -> tuple[list[str], list[Any]]:
+        try:
+            names, tensors = next(it)
+        except StopIteration:
+            raise MetadataMismatch(f"producer {self.cfg.rank}: the source stopped after {b} gather groups; its "
+                                   f"groups() lists {len(self.schedule.batches)}") from None
+        if list(names) != expect:
+            raise MetadataMismatch(f"producer {self.cfg.rank}: gather group {b} of the source is {list(names)[:3]}..., "
+                                   f"groups() said {expect[:3]}... (iteration must follow groups())")
+        return list(names), list(tensors)
+
+    def _pack(self, g: str, slot: int, full: dict[str, torch.Tensor], users: dict[str, set[str]],
+              st: _VersionState) -> int:
+        """Pack every unit of group ``g`` into ring slot ``slot`` and publish it; returns the bytes it will send."""
+        assert self.ring is not None
+        ready: dict[str, list[list[int]]] = defaultdict(list)
+        base, sent = slot * self.slot_bytes, 0
+        with self.cv:
+            live = {d: cs - st.dropped.keys() for d, cs in users.items()}
+        units = self.units[g]
+        for u in units:
+            c = u.chunk
+            region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
+            u.packer.pack(full, region, c, base=c.start)
+            ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
+                                    if self.cfg.verify_checksums else -1])
+            sent += c.nbytes * len(live.get(u.digest, ()))
+        with self.cv:
+            st.pending[g] = set().union(*(users[u.digest] for u in units)) - st.dropped.keys()
+            st.ready[g] = dict(ready)
+            st.packed.append(g)
+            self.cv.notify_all()
+        return sent
 
     def held_bytes(self) -> int:
         """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""

@@ -18,12 +18,13 @@ from __future__ import annotations
 import hmac
 import socket
 import struct
+from typing import Any
 
 from ..errors import AuthError, TransportError
 from ..transport.tcp import recv_exact
 
 __all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
-           "send_frame", "recv_frame", "chunk_checksum"]
+           "send_frame", "recv_frame", "chunk_checksum", "parse_address"]
 
 MAX_TOKEN_BYTES = 256
 DEFAULT_MAX_FRAME = 256 << 20
@@ -73,3 +74,17 @@ def chunk_checksum(data) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
+
+
+def parse_address(addr: Any) -> list[Any]:
+    """``"host:port"``, ``"[v6]:port"``, ``(host, port)`` or ``[host, port]`` -> ``[host, port]``; a clear
+    ``ValueError`` for anything else."""
+    if isinstance(addr, str):
+        host, sep, port = addr.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"address {addr!r} is not 'host:port'")
+        return [host, int(port)]
+    if isinstance(addr, (list, tuple)) and len(addr) == 2 and isinstance(addr[0], str) and str(addr[1]).isdigit():
+        return [addr[0], int(addr[1])]
+    raise ValueError(f"address {addr!r} is neither 'host:port' nor (host, port)")

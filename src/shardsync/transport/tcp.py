@@ -30,6 +30,19 @@ _MAX_TOKEN = 256
 log = logging.getLogger("shardsync.transport.tcp")
 
 
+def advertised(host: str, advertise_host: str | None) -> str:
+    """The address peers are told: ``advertise_host``, else ``host`` — except a wildcard bind (0.0.0.0, ::, ""),
+    which no peer can dial: then this machine's hostname address."""
+    if advertise_host:
+        return advertise_host
+    if host in ("", "0.0.0.0", "::"):
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return socket.gethostname()
+    return host
+
+
 def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | None:
     """Read exactly n bytes (into ``into`` when given). Raises ConnectionError on EOF."""
     buf = into if into is not None else memoryview(bytearray(n))
@@ -70,7 +83,7 @@ class TcpTransport:
         t = threading.Thread(target=self._accept_loop, name="shardsync-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
-        return {"host": self.advertise_host or self.host, "port": self._server.getsockname()[1], "nbytes": buf.numel()}
+        return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1], "nbytes": buf.numel()}
 
     def _accept_loop(self) -> None:
         assert self._server is not None

@@ -79,8 +79,9 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     token: str = ""
     transport: str = "tcp"
     transport_kwargs: dict[str, Any] = field(default_factory=dict)
-    replica: str = "r0"
-    """This engine's replica id (consumers are ``{replica}/rank{R}``)."""
+    replica: str = ""
+    """This engine's replica id (consumers are ``{replica}/rank{R}``); default ``vllm-{instance id}``, unique per
+    engine, so one init payload can go to several replicas (vLLM's Ray client fans out)."""
     timeout_s: float = 120.0
     verify_checksums: bool = False
     """Pull mode: demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
@@ -92,8 +93,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         if self.inspect_to:
             return
-        if not self.plan_dir:
-            raise ValueError("shardsync init_info needs 'plan_dir'")
+        if not self.plan_dir and self.coordinator is None:
+            raise ValueError("shardsync init_info needs 'plan_dir' (driver mode: workers write their plans there)")
         if not self.metadata and self.coordinator is None:
             raise ValueError("shardsync init_info needs 'metadata' (driver mode) or 'coordinator' (pull mode)")
 
@@ -168,7 +169,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             write_inspection(self.model, os.path.join(init_info.inspect_to, f"inspect_rank{self.rank}.safetensors"))
             return
         t0 = time.perf_counter()
-        consumer = init_info.consumer or f"{init_info.replica}/rank{self.rank}"
+        replica = init_info.replica or f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'r0'}"
+        consumer = init_info.consumer or f"{replica}/rank{self.rank}"
+        if not init_info.plan_dir:  # pull mode: plans go to the coordinator; the files are for inspection only
+            import tempfile
+            init_info.plan_dir = os.path.join(tempfile.gettempdir(), f"shardsync-{replica.replace('/', '_')}")
         found: dict[str, Any] = {}
 
         def record(metas):

@@ -22,6 +22,17 @@ def register() -> None:
     from .guard import install as install_torn_guard
 
     install_torn_guard()  # every engine core: a torn engine (last sync incomplete) serves nothing
+    register_trainer()
     if BACKEND in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
         return
     WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
+
+
+def register_trainer() -> None:
+    """The trainer-side backend (``WeightTransferTrainerFactory``), once per process; also run on importing
+    ``trainer_backend``, so a trainer that never built an ``LLM`` (HTTP / Ray clients) finds it."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, "shardsync.integrations.vllm.trainer_backend",
+                                                     "ShardsyncTrainerEngine")

@@ -1,0 +1,96 @@
+"""The producer's lockstep schedule, computed once per assignment from the source's gather groups and the
+chunks routed to this rank. Pure: no processes, no sockets.
+
+Rules (the producer follows them every sync; ``engine/producer.py`` states the serving half):
+
+1. Lockstep. Every rank iterates EVERY batch of its source's ``iter_groups()`` (the groups holding a name it
+   holds), in the source's order, whether or not anything in it is routed here: materialising a group is a
+   collective among the ranks holding part of it. A rank never gathers a group it does not hold (never
+   across PP, never another EP rank's experts), and never gathers a group twice in one sync.
+2. Keep only what is routed. From each batch the rank keeps the tensors its routed chunks read
+   (``keep[b]``); the rest of the batch is dropped as soon as the batch has been looked at.
+3. One order for everyone. Plan groups are packed in transfer order (``plan.groups.group_order``: pre,
+   layers, post), the order every consumer receives in, so no consumer ever waits for a producer that is
+   busy with a group it wants later (a receive slot is never held across an order inversion). A group is
+   packed right after the batch that completes it and every group before it (``pack_after[b]``), into a
+   free ring slot (waited for before that batch is gathered); the tensors it read are dropped once no later
+   group needs them (``drop_after[b]``; a tied embedding lives until ``post``). When the source's order is
+   the transfer order (HF checkpoints) nothing but such shared tensors is carried across batches.
+4. Budget. ``peak_bytes`` is the most full-tensor bytes resident at once on this rank: one batch as
+   materialised by the source plus what is carried across batches. A configured gather budget below it is
+   refused at init (the rank could not follow rule 1 within it); the producer measures the real peak each
+   sync (``stats["peak_gathered_bytes"]``).
+
+    ls = lockstep(source.groups(), needs={"model.layers.0": {...names}}, held=None, nbytes=nbytes)
+    ls.order     # plan groups in packing order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping, Sequence
+
+from ..errors import MetadataMismatch
+from ..plan.groups import group_order
+
+__all__ = ["Lockstep", "lockstep"]
+
+
+@dataclass(frozen=True)
+class Lockstep:
+    batches: list[list[str]]
+    """The source's gather groups, in its iteration order (every one is iterated, rule 1)."""
+    keep: list[frozenset[str]]
+    """Per batch: the names kept (read by this rank's routed chunks)."""
+    pack_after: list[list[str]]
+    """Per batch: the plan groups complete after it, packed in this order."""
+    drop_after: list[list[str]]
+    """Per batch: kept names no later plan group reads."""
+    order: list[str]
+    """Every plan group routed here, in packing order."""
+    peak_bytes: int
+    """Most full-tensor bytes resident at once (rule 4)."""
+    batch_bytes: list[int]
+    """Bytes each batch materialises on this rank (names held here)."""
+
+
+def lockstep(batches: Sequence[Sequence[str]], *, needs: Mapping[str, Collection[str]],
+             held: Collection[str] | None, nbytes: Mapping[str, int], rank: int = 0) -> Lockstep:
+    """The schedule for one rank. ``needs``: plan group -> checkpoint names its routed chunks read."""
+    where: dict[str, int] = {}
+    for b, names in enumerate(batches):
+        for n in names:
+            if n in where:
+                raise MetadataMismatch(f"producer {rank}: the source yields {n!r} in two gather groups")
+            where[n] = b
+    done_at: dict[str, int] = {}
+    for g, names in needs.items():
+        missing = [n for n in names if n not in where]
+        if missing:
+            raise MetadataMismatch(f"producer {rank}: group {g!r} is routed here and needs {sorted(missing)[:3]}, "
+                                   "which this rank's source never yields (held_names() and groups() disagree)")
+        done_at[g] = max((where[n] for n in names), default=0)
+    order = group_order(needs)
+    packed_at: dict[str, int] = {}  # a group is packed once it and every group before it are complete
+    for g in order:
+        packed_at[g] = max(done_at[g], packed_at[order[len(packed_at) - 1]] if packed_at else 0)
+    last_use: dict[str, int] = {}
+    for g in order:
+        for n in needs[g]:
+            last_use[n] = max(last_use.get(n, -1), packed_at[g])
+    heldset = None if held is None else set(held)
+    keep = [frozenset(n for n in names if n in last_use) for names in batches]
+    pack_after: list[list[str]] = [[] for _ in batches]
+    drop_after: list[list[str]] = [[] for _ in batches]
+    for g in order:
+        pack_after[packed_at[g]].append(g)
+    for n, b in sorted(last_use.items()):
+        drop_after[b].append(n)
+    batch_bytes = [sum(nbytes[n] for n in names if heldset is None or n in heldset) for names in batches]
+    peak = carried = 0
+    for b, names in enumerate(batches):
+        peak = max(peak, batch_bytes[b] + carried)
+        carried += sum(nbytes[n] for n in keep[b])
+        carried -= sum(nbytes[n] for n in drop_after[b])
+    return Lockstep(batches=[list(x) for x in batches], keep=keep, pack_after=pack_after, drop_after=drop_after,
+                    order=order, peak_bytes=peak, batch_bytes=batch_bytes)

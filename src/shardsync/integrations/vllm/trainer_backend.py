@@ -1,0 +1,191 @@
+"""shardsync behind vLLM's trainer API: ``WeightTransferTrainerFactory.trainer_init(ShardsyncTrainerInitInfo(...),
+client=, source=)`` then ``send_weights()`` — the same calls as vLLM's ``nccl`` backend, with the same fields
+(``master_address``, ``master_port``, ``world_size``, ``rank``), so switching is a change of init-info class::
+
+    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo   # registers "shardsync"
+    info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=29600, world_size=1 + n_workers,
+                                    rank=rank)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(model))
+    for step in ...:
+        train_step(); engine.send_weights()        # every trainer rank, every step
+    engine.shutdown()
+
+(The engine side starts with ``weight_transfer_config={"backend": "shardsync"}``.) Every trainer rank that calls
+``trainer_init`` becomes a producer: rank 0 (the sender) hosts the coordinator on ``master_address:master_port``
+and drives the inference side through ``client`` (vLLM's HTTP / Ray clients, or an in-process ``LLM``); every
+rank serves the bytes it holds, and each inference worker pulls exactly its own slices from them. ``trainer_init``
+and the engines' ``init_weight_transfer_engine`` wait for each other, so the sender runs the client call on a
+side thread. ``source`` is vLLM's ``WeightSource`` (its ``ModuleSource`` over an FSDP2 module included) or
+shardsync's. ``send_weights`` returns the version's outcome (``completed``, ``dropped`` engines, seconds, bytes).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+
+from ...engine.producer import Producer, ProducerConfig
+from ...errors import SyncError
+from ...sources.adapt import adapt
+from .clients import as_client
+from .plugin import BACKEND, register_trainer
+
+__all__ = ["ShardsyncTrainerInitInfo", "ShardsyncTrainerEngine"]
+
+
+@dataclass
+class ShardsyncTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = BACKEND
+
+    master_address: str = "127.0.0.1"
+    """Where the sender's coordinator listens (and what workers and other trainer ranks dial)."""
+    master_port: int = 0
+    """The coordinator's port; 0 picks a free one (then other trainer ranks learn it through torch.distributed)."""
+    world_size: int = 2
+    """As in ``NCCLTrainerInitInfo``: the sender plus every inference worker the client drives (all replicas,
+    all TP ranks), so ``world_size - 1`` workers must register before the first sync."""
+    n_producers: int | None = None
+    """Trainer ranks that call ``trainer_init`` (default: torch.distributed's world size, else 1)."""
+    token: str | None = None
+    """Shared secret of the transfer group (default: random, sent to the other trainer ranks via torch.distributed
+    and to the workers in their init info)."""
+    bind_host: str | None = None
+    """Interface to bind (default ``master_address`` on the sender, 127.0.0.1-or-master elsewhere)."""
+    transport: str = "tcp"
+    lookahead: int = 1
+    timeout_s: float = 120.0
+    init_timeout_s: float = 600.0
+    lease_s: float = 10.0
+    gather_budget_bytes: int | None = None
+    verify_checksums: bool = False
+    validate: bool = True
+    """Workers check their recorded plan against vLLM's loaders at init."""
+    # accepted for drop-in compatibility with NCCLTrainerInitInfo; shardsync sizes its buffers from the plans
+    packed: bool = True
+    packed_buffer_size_bytes: int = 0
+    packed_num_buffers: int = 0
+
+
+def _trainer_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _share(values: list[Any], n_producers: int) -> list[Any]:
+    """Rank 0's ``values`` on every trainer rank (torch.distributed's default group; trainer-internal only)."""
+    if n_producers == 1:
+        return values
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise SyncError(f"{n_producers} trainer ranks need torch.distributed initialised to agree on the token and "
+                        "coordinator address (or pass token= and a fixed master_port)")
+    box = list(values)
+    dist.broadcast_object_list(box, src=0)
+    return box
+
+
+class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInfo]):
+    init_info_cls = ShardsyncTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any, producer: Producer, is_sender: bool):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.producer = producer
+        self.version = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: ShardsyncTrainerInitInfo, *, client: Any, source: Any = None
+                     ) -> "ShardsyncTrainerEngine":
+        if source is None:
+            raise ValueError("shardsync trainer weight transfer needs a WeightSource (vLLM's or shardsync's)")
+        if init_info.world_size < 2:
+            raise ValueError(f"world_size={init_info.world_size}: it counts the sender plus every inference worker")
+        n_prod = init_info.n_producers or _trainer_world()
+        rank = init_info.rank
+        if not 0 <= rank < n_prod:
+            raise ValueError(f"trainer rank {rank} outside 0..{n_prod - 1} (n_producers={n_prod})")
+        cfg = ProducerConfig(rank=rank, n_producers=n_prod, n_consumers=init_info.world_size - 1, token="",
+                             host=init_info.bind_host or (init_info.master_address if rank == 0 else "127.0.0.1"),
+                             advertise_host=init_info.master_address if rank == 0 else None,
+                             port=init_info.master_port if rank == 0 else 0, transport=init_info.transport,
+                             lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
+                             init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
+                             gather_budget_bytes=init_info.gather_budget_bytes,
+                             verify_checksums=init_info.verify_checksums)
+        token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
+        # rank 0 must be listening before the others dial it: make the server first, then share its address
+        producer = None
+        if rank == 0:
+            cfg.token = token
+            producer = Producer(adapt(source), cfg)
+        token, address = _share([token, producer.address if producer else None], n_prod)
+        if producer is None:
+            cfg.token, cfg.coordinator = token, address
+            producer = Producer(adapt(source), cfg)
+        engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0)
+        if not engine.is_sender:
+            producer.init()
+            return engine
+        payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
+                   "timeout_s": init_info.timeout_s, "validate": init_info.validate,
+                   "verify_checksums": init_info.verify_checksums}
+        engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
+                     what="the inference engines' init_weight_transfer_engine")
+        return engine
+
+    def _side(self, call, main, *, what: str) -> Any:
+        """Run ``call`` (a client RPC that waits for the producers) on a side thread while ``main`` runs here."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as e:
+                box["err"] = e
+
+        th = threading.Thread(target=run, name="shardsync-client-rpc", daemon=True)
+        th.start()
+        try:
+            out = main()
+        except BaseException:
+            th.join(timeout=self.producer.cfg.lease_s)  # the workers' pulls fail within their bounds; don't hang
+            if "err" in box:
+                raise SyncError(f"{what} failed too: {type(box['err']).__name__}: {box['err']}")
+            raise
+        th.join(timeout=self.producer.cfg.timeout_s + 30)
+        if th.is_alive():
+            raise SyncError(f"{what} did not return within {self.producer.cfg.timeout_s + 30:.0f} s after the "
+                            "producers finished")
+        if "err" in box:
+            raise box["err"]
+        return out
+
+    def send_weights(self) -> dict[str, Any]:
+        """One sync on every trainer rank: the sender drives start -> update (workers pull) -> finish."""
+        self.version += 1
+        v = self.version
+        if not self.is_sender:
+            return self.producer.sync(v)
+        self.client.start_weight_update()
+        out = self._side(lambda: self.client.update_weights({"version": v}), lambda: self.producer.sync(v),
+                         what=f"the inference engines' update_weights (version {v})")
+        self.client.finish_weight_update(weight_version=str(v))
+        return out
+
+    def shutdown(self) -> None:
+        if self.is_sender:
+            stop = getattr(self.client, "shutdown_weight_transfer_engine", None)
+            if callable(stop):
+                try:
+                    stop()
+                except Exception:
+                    pass  # best effort: the engines may be gone already
+        self.producer.close()
+
+
+register_trainer()
