@@ -37,7 +37,7 @@ def pp_share(names: list[str], rank: int, n: int) -> list[str]:
 
 def weights_at(spec: dict):
     """``version -> full HF state dict`` of the trainer (seed = version), the same in every process."""
-    if spec["kind"] == "zoo":
+    if spec["kind"] in ("zoo", "megatron"):
         from ..zoo import hf_state_dict
 
         zc = ZooConfig(**spec["cfg"])
@@ -53,6 +53,8 @@ class VersionedSource:
 
     @staticmethod
     def make(spec: dict, rank: int, n: int):
+        if spec["kind"] == "megatron":
+            return MegatronRank(spec, rank, n)
         from ..source import ModuleSource
 
         at = weights_at(spec)
@@ -65,6 +67,75 @@ class VersionedSource:
                 self._state = {k: sd[k] for k in names}
 
         return Source(first, held=pp_share(names, rank, n))
+
+
+def megatron_coords(par: dict, rank: int) -> dict[str, int]:
+    """Megatron's rank order for TP x EP x PP (no DP beyond EP): tp fastest, then ep, then pp."""
+    tp, ep = par.get("tp", 1), par.get("ep", 1)
+    return {"tp_rank": rank % tp, "ep_rank": (rank // tp) % ep, "pp_rank": rank // (tp * ep)}
+
+
+class MegatronRank:
+    """One rank of a Megatron-style TP x EP x PP trainer (gloo among the producer processes): its local shards
+    in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step."""
+
+    def __init__(self, spec: dict, rank: int, n: int):
+        from ..sources.megatron import MegatronConfig, MegatronParallel
+        from ..sources.megatron_layout import hf_shapes
+        from ..types import ParamMeta
+
+        par = spec["par"]
+        tp, ep, pp = par.get("tp", 1), par.get("ep", 1), par.get("pp", 1)
+        if tp * ep * pp != n:
+            raise ValueError(f"{n} producers cannot hold TP{tp} x EP{ep} x PP{pp}")
+        self.spec, self.rank, self.n, self.inner, self.version = spec, rank, n, None, 0
+        me = megatron_coords(par, rank)
+        self.zc = ZooConfig(**spec["cfg"])
+        self.mcfg = MegatronConfig.like(self.zc, dtype=self.zc.ckpt_dtype)
+        moe_tp = tp > 1 and self.zc.experts
+        self.par = MegatronParallel(tp=tp, pp=pp, ep=ep, etp=tp if moe_tp else 1,
+                                    etp_rank=me["tp_rank"] if moe_tp else 0, **me)
+        self.metas = [ParamMeta(name=k, dtype=self.mcfg.dtype, shape=s) for k, s in hf_shapes(self.mcfg).items()]
+
+    def _source(self):
+        """Joins the trainer's process group on first use (after every rank's producer is listening)."""
+        if self.inner is None:
+            from datetime import timedelta
+
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.spec['dist_port']}", rank=self.rank,
+                                    world_size=self.n, timeout=timedelta(seconds=120))
+            tp = self.par.tp
+            groups = {tuple(range(s, s + tp)): dist.new_group(list(range(s, s + tp)))  # same order on every rank
+                      for s in range(0, self.n, tp)}
+            self.tp_group = next(g for rs, g in groups.items() if self.rank in rs)
+            self.set_version(self.version)
+        return self.inner
+
+    def set_version(self, v: int) -> None:
+        from ..sources.megatron import MegatronSource, hf_to_megatron_shards
+        from ..zoo import hf_state_dict
+
+        self.version = v
+        if not hasattr(self, "tp_group"):
+            self._source()
+            return
+        local = hf_to_megatron_shards(hf_state_dict(self.zc, seed=v), self.mcfg, self.par)
+        self.inner = MegatronSource(local, self.mcfg, self.par, tp_group=self.tp_group,
+                                    etp_group=self.tp_group if self.par.etp > 1 else None)
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return self._source().held_names()
+
+    def groups(self):
+        return self._source().groups()
+
+    def iter_groups(self):
+        return self._source().iter_groups()
 
 
 def _die() -> None:
@@ -92,7 +163,7 @@ def producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any)
             held = [pp_share([m.name for m in src.metadata()], p, n) for p in range(n)]
             owner = baseline.owners(held, src.metadata())
         out.send(("ready", rank, dict(prod.stats, pid=os.getpid())))
-        gather = src.gather
+        batches = src.iter_groups
         while (msg := cmd.get()) is not None:
             kind, v, fault = msg if len(msg) == 3 else (*msg, None)
             if kind == "prepare":  # the training step: new weights (not part of the timed sync)
@@ -105,14 +176,14 @@ def producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any)
                 if fault and "die_after_groups" in fault:
                     left = [fault["die_after_groups"]]
 
-                    def dying_gather(names, _g=gather, _left=left):
-                        full = _g(names)
-                        _left[0] -= 1
-                        if _left[0] <= 0:
-                            _die()
-                        return full
+                    def dying_batches(_g=batches, _left=left):
+                        for batch in _g():
+                            yield batch
+                            _left[0] -= 1
+                            if _left[0] <= 0:
+                                _die()
 
-                    src.gather = dying_gather
+                    src.iter_groups = dying_batches
                 try:
                     r = prod.sync(v)
                     out.send(("synced", rank, dict(r, held_bytes=prod.held_bytes())))
