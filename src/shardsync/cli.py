@@ -3,6 +3,7 @@
     shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
     shardsync verify MODEL_DIR --tp 2    # will my model work? synced engine vs a fresh engine, bytes compared
     shardsync bench                      # shardsync vs broadcast baseline vs link SoL, this machine
+    shardsync bench --mode all           # Megatron trainer export v1..v4 (gather everywhere .. PP-parallel)
     shardsync simulate --preset kimi-k2-48n   # cluster-scale SoL and predicted sync time
 """
 
@@ -60,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--tp", type=int, default=2)
     b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     b.add_argument("--syncs", type=int, default=3)
+    b.add_argument("--mode", choices=["v1", "v2", "v3", "v4", "all"], default=None,
+                   help="the trainer-side export step by step on a Megatron TP2·PP2·EP2 trainer -> TP2 replica: "
+                        "v1 gather everything everywhere, v2 PP/EP-local gathers, v3 + pipelined, v4 + PP stages "
+                        "in parallel (absent: shardsync vs baseline)")
     b.add_argument("--json", action="store_true")
     c = sub.add_parser("chaos", help="random real faults (kill -9, SIGSTOP, producer death, forged plans, bad frames) "
                                      "while syncs go on; every sync checked byte for byte")
@@ -100,6 +105,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "bench":
         from .tools.bench import run_bench, run_bench_vllm
 
+        if args.mode:
+            from .tools.bench_modes import run_bench_modes
+
+            r = run_bench_modes(args.mode, syncs=args.syncs, transport=args.transport, as_json=args.json)
+            return 0 if all(x["exact"] for x in r["modes"].values()) else 1
         if args.consumers == "vllm":
             r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp,
                                transport=args.transport, syncs=args.syncs, as_json=args.json)

@@ -62,7 +62,7 @@ class Consumer:
     def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, token: str, record: RecordFn, apply: ApplyFn,
                  transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
-                 recv_budget_bytes: int | None = None,
+                 recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
@@ -72,6 +72,9 @@ class Consumer:
         self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.recv_budget_bytes = recv_budget_bytes
+        self.parallel_producers = parallel_producers
+        """False: one puller, group by group in transfer order, each group's producers one after the other (PP
+        stages served serially; kept as the reference the benchmark compares against)."""
         """Receive memory cap: ``recv_slots`` is lowered to fit it (at least 2 slots of the largest group)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
         self.stats: dict[str, Any] = {}
@@ -203,18 +206,32 @@ class Consumer:
                 finally:
                     slots.release(g)
 
+        def landed(p: int, g: str, n: int) -> None:
+            with lock:
+                received[0] += n
+                missing[g].discard(p)
+                done = not missing[g]
+            if done:
+                work.put(g)
+
         def puller(p: int) -> None:  # rule 3: one per producer, all at once
             try:
                 for _ in serving[p]:
                     if failing.is_set():
                         return
-                    g, n = self._pull_next(p, version, session, serving[p], slots, failing)
-                    with lock:
-                        received[0] += n
-                        missing[g].discard(p)
-                        done = not missing[g]
-                    if done:
-                        work.put(g)
+                    landed(p, *self._pull_next(p, version, session, serving[p], slots, failing))
+            except BaseException as e:
+                errors.append(e)
+                failing.set()
+                slots.wake()
+
+        def serial() -> None:  # parallel_producers=False: group by group, producer by producer
+            try:
+                for g in order:
+                    for p in sorted(set(self.routes[g])):
+                        if failing.is_set():
+                            return
+                        landed(p, *self._pull_next(p, version, session, serving[p], slots, failing, group=g))
             except BaseException as e:
                 errors.append(e)
                 failing.set()
@@ -224,7 +241,8 @@ class Consumer:
         self._apply_thread = th
         th.start()
         pullers = [threading.Thread(target=puller, args=(p,), name=f"shardsync-pull-{self.id}-p{p}", daemon=True)
-                   for p in serving]
+                   for p in serving] if self.parallel_producers else \
+            [threading.Thread(target=serial, name=f"shardsync-pull-{self.id}", daemon=True)]
         try:
             for t in pullers:
                 t.start()
@@ -275,8 +293,9 @@ class Consumer:
             raise SyncError(f"consumer {self.id}: version {version} failed: {view['failed'][version]}")
 
     def _pull_next(self, p: int, version: int, session: str, expect: list[str], slots: RecvSlots,
-                   failing: threading.Event) -> tuple[str, int]:
-        """Ask producer ``p`` for the next group it has for us, read its chunks into the group's slot, release."""
+                   failing: threading.Event, group: str = "") -> tuple[str, int]:
+        """Ask producer ``p`` for the next group it has for us (or for ``group``), read its chunks into the group's
+        slot, release."""
         deadline = time.monotonic() + self.timeout_s
         while True:  # short polls: a stopped producer is noticed within the lease, a slow one waited for
             self._check_peers(p, version, "")
@@ -284,7 +303,7 @@ class Consumer:
                 raise SyncError(f"consumer {self.id}: version {version} is failing (another puller or the apply)")
             try:
                 ready = self.clients[p].call(m.WaitReady(consumer=self.id, session=session, version=version,
-                                                         group=""), timeout_s=self.lease_s + 1)
+                                                         group=group), timeout_s=self.lease_s + 1)
             except TransportError as e:
                 raise self._lost(p, version, "", e) from None
             if not isinstance(ready, m.Pending):
@@ -293,6 +312,8 @@ class Consumer:
                 raise TransportError(f"consumer {self.id}: producer {p} packed nothing more for version {version} "
                                      f"within {self.timeout_s} s (still expected from it: {expect[:3]}...)")
         ready = _expect(ready, m.Ready, f"producer {p}")
+        if group and ready.group != group:
+            raise SyncError(f"consumer {self.id}: producer {p} answered for group {ready.group!r}, asked for {group!r}")
         group = ready.group
         if ready.version != version or group not in expect:
             raise SyncError(f"consumer {self.id}: producer {p} offered group {group!r} of version {ready.version}; "

@@ -77,7 +77,8 @@ def megatron_coords(par: dict, rank: int) -> dict[str, int]:
 
 class MegatronRank:
     """One rank of a Megatron-style TP x EP x PP trainer (gloo among the producer processes): its local shards
-    in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step."""
+    in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step.
+    ``spec["gather"] = "everywhere"``: through :class:`GatherEverywhere` instead (``shardsync bench --mode v1``)."""
 
     def __init__(self, spec: dict, rank: int, n: int):
         from ..sources.megatron import MegatronConfig, MegatronParallel
@@ -122,6 +123,9 @@ class MegatronRank:
             self._source()
             return
         local = hf_to_megatron_shards(hf_state_dict(self.zc, seed=v), self.mcfg, self.par)
+        if self.spec.get("gather") == "everywhere":  # bench v1: every tensor on every rank
+            self.inner = GatherEverywhere(local, self.mcfg, self.par, self.rank, self.n, self.spec["par"])
+            return
         self.inner = MegatronSource(local, self.mcfg, self.par, tp_group=self.tp_group,
                                     etp_group=self.tp_group if self.par.etp > 1 else None)
 
@@ -137,6 +141,60 @@ class MegatronRank:
     def iter_groups(self):
         return self._source().iter_groups()
 
+
+class GatherEverywhere:
+    """The naive trainer-side export (``bench --mode v1``): EVERY rank materialises EVERY tensor of the model,
+    tensor by tensor, with one all-gather over the whole trainer world per Megatron tensor (the ranks holding
+    its TP/ETP shards put them in, every other rank zeros of the same shape). ``held_names()`` is None: every
+    rank holds everything, so routing may pick any rank; the world iterates every group in lockstep."""
+
+    def __init__(self, local: dict, mcfg: Any, par: Any, rank: int, n: int, sizes: dict):
+        from ..source import gather_groups
+        from ..sources.megatron_layout import hf_shapes, items, local_shapes
+        from ..types import ParamMeta, dtype_of
+
+        self.local, self.mcfg, self.rank, self.n, self.dtype = local, mcfg, rank, n, dtype_of(mcfg.dtype)
+        self.metas = [ParamMeta(name=k, dtype=mcfg.dtype, shape=s) for k, s in hf_shapes(mcfg).items()]
+        plan: dict[tuple, tuple] = {}  # HF names -> (item, {shard index: (rank, local name)}, shard shape)
+        for r in range(n):
+            c = megatron_coords(sizes, r)
+            pr = par.replace(**c, etp_rank=c["tp_rank"] if par.etp > 1 else 0)
+            shapes = local_shapes(mcfg, pr)
+            for it in items(mcfg, pr):
+                split = (it.axis == "tp" and pr.tp > 1) or (it.axis == "etp" and pr.etp > 1)
+                if it.export:
+                    i = (pr.tp_rank if it.axis == "tp" else pr.etp_rank) if split else 0
+                    plan.setdefault(it.hf, (it, {}, shapes[it.local]))[1].setdefault(i, (r, it.local))
+        self._groups = gather_groups([m.name for m in self.metas])
+        self._plan: dict[str, list[tuple]] = {}
+        for key, (it, holders, shape) in plan.items():
+            self._plan.setdefault(weight_group(key[0]), []).append((it, [holders[i] for i in sorted(holders)], shape))
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return None
+
+    def groups(self):
+        return [list(g) for g in self._groups]
+
+    def iter_groups(self):
+        import torch.distributed as dist
+
+        from ..sources.megatron_layout import merge
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for names in self._groups:
+            out: dict[str, torch.Tensor] = {}
+            for it, holders, shape in self._plan[weight_group(names[0])]:  # one world collective per tensor
+                mine = next((self.local[x].contiguous() for r, x in holders if r == self.rank), None)
+                mine = torch.zeros(shape, dtype=self.dtype) if mine is None else mine
+                k = mine.numel()
+                full = torch.empty(self.n * k, dtype=mine.dtype)
+                gather(full, mine.view(-1))
+                out.update(zip(it.hf, merge(it, [full[r * k:(r + 1) * k].view(shape) for r, _ in holders], self.mcfg)))
+            yield list(names), [out[x] for x in names]
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)

@@ -98,6 +98,7 @@ class RefTrainer:
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         self.mesh, self.loss_fn, self.name_map = mesh, loss_fn, name_map
         self.model = build_model(arch, seed=seed, dtype=dtype, **overrides)
+        self.model.config.architectures = [type(self.model).__name__]  # before FSDP2 renames the class
         if mesh.ndim == 2:
             if mesh.mesh_dim_names != ("dp", "tp"):
                 raise ValueError(f"a 2-D mesh must be named ('dp', 'tp'), got {mesh.mesh_dim_names}")
@@ -125,6 +126,11 @@ class RefTrainer:
         self.optim.zero_grad(set_to_none=True)
         self.steps += 1
         return float(loss.detach())
+
+    def save_config(self, out_dir: str) -> str:
+        """The HF config (what an inference engine needs beside the weights) written to ``out_dir``."""
+        self.model.config.save_pretrained(out_dir)
+        return out_dir
 
     def source(self) -> FSDPSource:
         """A weight source over the sharded model (HF names, or ``name_map``'s)."""
