@@ -104,6 +104,8 @@ def main() -> int:
     ap.add_argument("--verify", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.json:  # stdout carries only the JSON line: vLLM's logs (driver, engine core, workers) go to stderr
+        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
     work = tempfile.mkdtemp(prefix="shardsync-fsdp2-")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

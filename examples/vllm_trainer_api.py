@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--verify", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.json:  # stdout carries only the JSON line: vLLM's logs (driver, engine core, workers) go to stderr
+        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
     log = sys.stderr if args.json else sys.stdout
 
     from vllm import LLM, SamplingParams

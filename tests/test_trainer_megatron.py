@@ -71,3 +71,17 @@ def test_a_gather_budget_below_one_group_is_refused_at_init() -> None:
     zc = ZooConfig(layers=2, ckpt_dtype="float32", dtype="float32")
     with pytest.raises(RuntimeError, match="gather_budget_bytes"):
         LocalCluster(zc, producers=1, replicas=1, tp=1, timeout_s=30, producer_extra={"gather_budget_bytes": 1000})
+
+
+def test_non_blocking_sync_serves_the_snapshot_while_training_changes_the_weights() -> None:
+    """``sync(v, block=False)`` returns after the lockstep gathers; the producers then change their weights (the
+    next optimizer step) while consumers pull: every consumer still holds version v exactly."""
+    zc, par = CASES["tp2xpp2-dense"]
+    spec = {"kind": "megatron", "cfg": zc.__dict__, "par": par, "dist_port": _port()}
+    with LocalCluster(zc, producers=4, replicas=1, tp=2, spec=spec, max_chunk_bytes=64 << 10, timeout_s=90) as cl:
+        for v in (1, 2):
+            r = cl.sync(v, faults={p: {"nonblocking": True} for p in range(4)})
+            assert r["exact"], r["consumers"]
+            assert all(p["snapshot_bytes"] > 0 and p["completed"] for p in r["producers"])
+        r = cl.sync(3)  # and a blocking one after
+        assert r["exact"] and all(p["snapshot_bytes"] == 0 for p in r["producers"])

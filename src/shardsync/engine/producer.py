@@ -45,8 +45,10 @@ from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .schedule import lockstep
+from .snapshot import PendingSync, Snapshot
+from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
-from ..errors import AuthError, ConsumerDropped, MetadataMismatch, ProducerLost, SyncError, TransportError
+from ..errors import MetadataMismatch, ProducerLost, SyncError, TransportError
 from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
 from ..plan.route import chunk_layouts, holders_from_ownership
 from ..source import WeightSource, check_tensor
@@ -101,21 +103,7 @@ class _Unit:
     sources: frozenset[str]  # checkpoint names the chunk's slices come from
 
 
-@dataclass
-class _VersionState:
-    members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
-    ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
-    packed: list[str] = field(default_factory=list)  # groups in the order they were packed
-    offered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # consumer -> groups handed out
-    pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
-    dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
-    dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
-    failed: str = ""
-    done: bool = False
-    incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
-
-
-class Producer:
+class Producer(ServedVersions):
     def __init__(self, source: WeightSource | Any, cfg: ProducerConfig, transport: Transport | None = None):
         self.source, self.cfg = adapt(source), cfg
         self.metas = self.source.metadata()
@@ -130,11 +118,12 @@ class Producer:
                                       max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
-        self.versions: dict[int, _VersionState] = {}
+        self.versions: dict[int, VersionState] = {}
         self.abandoned: dict[int, dict[str, str]] = defaultdict(dict)  # before this rank began the version
         self.epoch = -1
         self.ring: torch.Tensor | None = None
         self.heartbeat: Heartbeat | None = None
+        self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
 
     def _make_transport(self) -> Transport:
@@ -174,84 +163,6 @@ class Producer:
                 self.cv.notify_all()
             return m.Ack()
         raise SyncError(f"producer {self.cfg.rank}: unexpected message {type(msg).__name__}")
-
-    def _member(self, st: _VersionState, cid: str, session: str, version: int) -> str:
-        """The consumer's plan digest, if ``session`` is its credential in this version."""
-        ds = st.members.get(cid)
-        if ds is None:
-            raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {cid!r} is not a member of version {version}")
-        if ds[1] != session:
-            raise AuthError(f"producer {self.cfg.rank}: session credential does not belong to consumer {cid!r}")
-        return ds[0]
-
-    def _on_wait_ready(self, msg: m.WaitReady) -> m.Msg:
-        poll = min(1.0, self.cfg.lease_s / 4)
-        deadline = time.monotonic() + poll
-        with self.cv:
-            while True:
-                st = self.versions.get(msg.version)
-                if st is not None:
-                    digest = self._member(st, msg.consumer, msg.session, msg.version)
-                    if st.failed:
-                        raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {st.failed}")
-                    if msg.consumer in st.dropped:
-                        raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {msg.consumer!r} was dropped from "
-                                              f"version {msg.version}: {st.dropped[msg.consumer]}")
-                    g = msg.group or self._next_for(st, msg.consumer, digest)
-                    if g and g in st.ready:
-                        st.offered[msg.consumer].add(g)
-                        return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return m.Pending()
-                self.cv.wait(left)
-
-    @staticmethod
-    def _next_for(st: _VersionState, cid: str, digest: str) -> str:
-        """The first group packed for this consumer's plan that it has not been handed yet ("" if none yet)."""
-        for g in st.packed:
-            if digest in st.ready.get(g, {}) and g not in st.offered[cid]:
-                return g
-        return ""
-
-    def _drop(self, st: _VersionState, cid: str, why: str) -> None:
-        if cid in st.members and cid not in st.dropped:
-            st.dropped[cid], st.dropped_at[cid] = why, time.time()
-            for s in st.pending.values():
-                s.discard(cid)
-
-    def _prune(self, version: int, st: _VersionState) -> None:
-        """Apply what the coordinator knows: dead members are dropped; a dead producer or a failed version ends
-        the sync (called with ``cv`` held, from every wait)."""
-        if st.failed:
-            raise ProducerLost(f"producer {self.cfg.rank}: version {version} failed: {st.failed}")
-        view = self.coordinator.lease_view() if self.coordinator is not None else self.heartbeat.view()
-        for cid, session, why in view["dead"]:
-            if st.members.get(cid, ("", ""))[1] == session:
-                self._drop(st, cid, why)
-        for v, cid, session, why in view["left"]:
-            if v == version and st.members.get(cid, ("", ""))[1] == session:
-                self._drop(st, cid, f"abandoned version {version}: {why}")
-        dead = {int(r): why for r, (inc, why) in view["dead_producers"].items()  # a stale entry for a rank that
-                if inc >= st.incarnations.get(int(r), -1)}                         # rejoined since is not a death
-        if dead:
-            raise ProducerLost(f"producer {self.cfg.rank}, version {version}: " + "; ".join(dead.values()))
-        why = view["failed"].get(version)
-        if why:
-            raise SyncError(f"producer {self.cfg.rank}: version {version} failed: {why}")
-
-    def _wait(self, pred, what, version: int, st: _VersionState) -> None:
-        deadline = time.monotonic() + self.cfg.timeout_s
-        with self.cv:
-            while True:
-                self._prune(version, st)
-                if pred():
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportError(f"producer {self.cfg.rank}: timed out after {self.cfg.timeout_s} s waiting "
-                                         f"for {what()}")
-                self.cv.wait(min(left, 0.25))
 
     # ------------------------------------------------------------------ init
     def init(self) -> None:
@@ -336,45 +247,80 @@ class Producer:
                       "planned_peak_gathered_bytes": self.schedule.peak_bytes}
 
     # ------------------------------------------------------------------ sync
-    def sync(self, version: int) -> dict[str, Any]:
-        """Serve one weight version to its live members; returns per-sync stats (bytes sent, max resident groups,
-        seconds, ``dropped``: consumer -> why). A failure here is made known to every consumer waiting on this
-        version, and to the coordinator, before it is re-raised."""
-        st: _VersionState | None = None
+    def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":
+        """Serve one weight version to its live members; returns the version's outcome and this rank's stats
+        (bytes sent, seconds, gathered bytes, ``completed``, ``dropped``: consumer -> why). A failure here is made
+        known to every consumer waiting on this version, and to the coordinator, before it is re-raised.
+
+        ``block=False`` (asynchronous RL): the lockstep gathers run now, in this thread, and the tensors this rank
+        serves are copied aside (a snapshot costing ``stats["snapshot_bytes"]``: the full tensors routed here,
+        refused if above ``gather_budget_bytes``); serving then runs in the background and training may go on
+        and change the weights. Returns a :class:`PendingSync`; the next ``sync`` (or ``close``) waits for it."""
+        self.wait_pending()
+        st: VersionState | None = None
         try:
-            view = self.client.call(m.BeginSync(version=version, rank=self.cfg.rank, incarnation=self.incarnation),
-                                    timeout_s=self.cfg.timeout_s)
-            if view.epoch != self.epoch:
-                self._assign(self.client.call(m.GetAssignments(rank=self.cfg.rank), timeout_s=self.cfg.timeout_s))
-            digests = {u.digest for us in self.units.values() for u in us}
-            with self.cv:
-                st = self.versions[version] = _VersionState(
-                    {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
-                    incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
-                for c, why in self.abandoned.pop(version, {}).items():
-                    self._drop(st, c, f"abandoned version {version}: {why}")
-                for old in [v for v in self.versions if v < version - 4]:
-                    del self.versions[old]
-                for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin
-                    del self.abandoned[old]
-            self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
-                                             desc=self.desc), timeout_s=self.cfg.timeout_s)
-            return self._sync(version, st)
+            st = self._begin(version)
+            if block:
+                return self._sync(version, st, self.source)
+            snap = Snapshot(self, version)
+            pending = PendingSync(version)
+
+            def serve() -> None:
+                try:
+                    pending._set(self._sync(version, st, snap, snapshot_bytes=snap.nbytes))
+                except BaseException as e:
+                    self._fail(version, st, e)
+                    pending._set(error=e)
+
+            pending._thread = threading.Thread(target=serve, name=f"shardsync-serve-v{version}", daemon=True)
+            self._pending = pending
+            pending._thread.start()
+            return pending
         except BaseException as e:
-            why = f"{type(e).__name__}: {e}"
-            with self.cv:
-                if st is not None:  # nothing stays referenced for a failed version
-                    st.failed = why
-                    st.pending.clear()
-                    st.ready.clear()
-                self.cv.notify_all()
-            try:
-                self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why), timeout_s=5)
-            except Exception:
-                pass  # the coordinator may be what failed
+            self._fail(version, st, e)
             raise
 
-    def _sync(self, version: int, st: _VersionState) -> dict[str, Any]:
+    def wait_pending(self, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """Wait for a non-blocking sync still serving (re-raising its failure); None if there is none."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is None:
+            return None
+        return pending.result(self.cfg.timeout_s * 2 if timeout_s is None else timeout_s)
+
+    def _begin(self, version: int) -> VersionState:
+        view = self.client.call(m.BeginSync(version=version, rank=self.cfg.rank, incarnation=self.incarnation),
+                                timeout_s=self.cfg.timeout_s)
+        if view.epoch != self.epoch:
+            self._assign(self.client.call(m.GetAssignments(rank=self.cfg.rank), timeout_s=self.cfg.timeout_s))
+        digests = {u.digest for us in self.units.values() for u in us}
+        with self.cv:
+            st = self.versions[version] = VersionState(
+                {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
+                incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
+            for c, why in self.abandoned.pop(version, {}).items():
+                self._drop(st, c, f"abandoned version {version}: {why}")
+            for old in [v for v in self.versions if v < version - 4]:
+                del self.versions[old]
+            for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin
+                del self.abandoned[old]
+        self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
+                                         desc=self.desc), timeout_s=self.cfg.timeout_s)
+        return st
+
+    def _fail(self, version: int, st: VersionState | None, e: BaseException) -> None:
+        why = f"{type(e).__name__}: {e}"
+        with self.cv:
+            if st is not None:  # nothing stays referenced for a failed version
+                st.failed = why
+                st.pending.clear()
+                st.ready.clear()
+            self.cv.notify_all()
+        try:
+            self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why), timeout_s=5)
+        except Exception:
+            pass  # the coordinator may be what failed
+
+    def _sync(self, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0) -> dict[str, Any]:
         t0 = time.perf_counter()
         by_name = {x.name: x for x in self.metas}
         free = list(range(self.n_slots))
@@ -384,7 +330,7 @@ class Producer:
         for c, (d, _) in st.members.items():
             users[d].add(c)
         assert self.ring is not None
-        ls, it = self.schedule, iter(self.source.iter_groups())
+        ls, it = self.schedule, iter(source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
         gathered = peak = 0
 
@@ -437,7 +383,7 @@ class Producer:
         self._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
                           max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
-                          gathered_bytes=gathered, peak_gathered_bytes=peak,
+                          gathered_bytes=gathered, peak_gathered_bytes=peak, snapshot_bytes=snapshot_bytes,
                           completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                           dropped_at=dict(st.dropped_at))
         return dict(self.stats)
@@ -454,7 +400,7 @@ class Producer:
         return list(names), list(tensors)
 
     def _pack(self, g: str, slot: int, full: dict[str, torch.Tensor], users: dict[str, set[str]],
-              st: _VersionState) -> int:
+              st: VersionState) -> int:
         """Pack every unit of group ``g`` into ring slot ``slot`` and publish it; returns the bytes it will send."""
         assert self.ring is not None
         ready: dict[str, list[list[int]]] = defaultdict(list)
@@ -476,13 +422,7 @@ class Producer:
             self.cv.notify_all()
         return sent
 
-    def held_bytes(self) -> int:
-        """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""
-        with self.cv:
-            return sum(c[2] for st in self.versions.values() for g, per in st.ready.items() if st.pending.get(g)
-                       for chunks in per.values() for c in chunks)
-
-    def _outcome(self, version: int, st: _VersionState) -> m.Outcome:
+    def _outcome(self, version: int, st: VersionState) -> m.Outcome:
         """Rule 7: a sync returns the VERSION's outcome, not only this rank's part: every member completed (all
         groups, from every producer) or was dropped — or the version failed, which is raised here too."""
         deadline = time.monotonic() + self.cfg.timeout_s
@@ -511,6 +451,10 @@ class Producer:
             time.sleep(0.002)
 
     def close(self) -> None:
+        try:
+            self.wait_pending()
+        except Exception:
+            pass  # already reported to the coordinator and the consumers; closing must not raise it again
         self._drain()
         if self.heartbeat is not None:
             self.heartbeat.stop()

@@ -123,6 +123,11 @@ class MegatronRank:
             self._source()
             return
         local = hf_to_megatron_shards(hf_state_dict(self.zc, seed=v), self.mcfg, self.par)
+        if getattr(self, "local", None) is not None:  # an optimizer step: the rank's tensors change IN PLACE
+            for k, t in local.items():
+                self.local[k].copy_(t)
+            return
+        self.local = local
         if self.spec.get("gather") == "everywhere":  # bench v1: every tensor on every rank
             self.inner = GatherEverywhere(local, self.mcfg, self.par, self.rank, self.n, self.spec["par"])
             return
@@ -243,7 +248,12 @@ def producer_main(rank: int, n: int, spec: dict, pcfg: dict, cmd: Any, out: Any)
 
                     src.iter_groups = dying_batches
                 try:
-                    r = prod.sync(v)
+                    if fault and fault.get("nonblocking"):  # asynchronous RL: training goes on while it serves
+                        pending = prod.sync(v, block=False)
+                        src.set_version(v + 1000)  # the next optimizer step changes the weights under the sync
+                        r = dict(pending.result(), returned_before_served=not pending.done() or None)
+                    else:
+                        r = prod.sync(v)
                     out.send(("synced", rank, dict(r, held_bytes=prod.held_bytes())))
                 except Exception as e:
                     out.send(("synced", rank, dict(_failure(e), held_bytes=prod.held_bytes())))

@@ -1,0 +1,127 @@
+"""The producer's per-version serving state: who is a member of each version, which groups are packed and
+unreleased, who was dropped and why (rules 5-6 of ``engine/producer.py``), and the ``WaitReady`` answers.
+
+``ServedVersions`` is a mixin of :class:`~shardsync.engine.producer.Producer`: it needs ``cfg`` (rank,
+lease_s, timeout_s), ``cv`` (the condition every state change notifies), ``versions`` (version ->
+:class:`VersionState`), and ``coordinator`` / ``heartbeat`` (the lease view it prunes by).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import control as m
+from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
+
+__all__ = ["VersionState", "ServedVersions"]
+
+
+@dataclass
+class VersionState:
+    """What one producer knows about one version it serves."""
+
+    members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
+    ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
+    packed: list[str] = field(default_factory=list)  # groups in the order they were packed
+    offered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # consumer -> groups handed out
+    pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
+    dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
+    dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
+    failed: str = ""
+    done: bool = False
+    incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
+
+
+class ServedVersions:
+    cfg: Any
+    cv: Any
+    versions: dict[int, VersionState]
+    coordinator: Any
+    heartbeat: Any
+
+    def _member(self, st: VersionState, cid: str, session: str, version: int) -> str:
+        """The consumer's plan digest, if ``session`` is its credential in this version."""
+        ds = st.members.get(cid)
+        if ds is None:
+            raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {cid!r} is not a member of version {version}")
+        if ds[1] != session:
+            raise AuthError(f"producer {self.cfg.rank}: session credential does not belong to consumer {cid!r}")
+        return ds[0]
+
+    def _on_wait_ready(self, msg: m.WaitReady) -> m.Msg:
+        poll = min(1.0, self.cfg.lease_s / 4)
+        deadline = time.monotonic() + poll
+        with self.cv:
+            while True:
+                st = self.versions.get(msg.version)
+                if st is not None:
+                    digest = self._member(st, msg.consumer, msg.session, msg.version)
+                    if st.failed:
+                        raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {st.failed}")
+                    if msg.consumer in st.dropped:
+                        raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {msg.consumer!r} was dropped from "
+                                              f"version {msg.version}: {st.dropped[msg.consumer]}")
+                    g = msg.group or self._next_for(st, msg.consumer, digest)
+                    if g and g in st.ready:
+                        st.offered[msg.consumer].add(g)
+                        return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return m.Pending()
+                self.cv.wait(left)
+
+    @staticmethod
+    def _next_for(st: VersionState, cid: str, digest: str) -> str:
+        """The first group packed for this consumer's plan that it has not been handed yet ("" if none yet)."""
+        for g in st.packed:
+            if digest in st.ready.get(g, {}) and g not in st.offered[cid]:
+                return g
+        return ""
+
+    def _drop(self, st: VersionState, cid: str, why: str) -> None:
+        if cid in st.members and cid not in st.dropped:
+            st.dropped[cid], st.dropped_at[cid] = why, time.time()
+            for s in st.pending.values():
+                s.discard(cid)
+
+    def _prune(self, version: int, st: VersionState) -> None:
+        """Apply what the coordinator knows: dead members are dropped; a dead producer or a failed version ends
+        the sync (called with ``cv`` held, from every wait)."""
+        if st.failed:
+            raise ProducerLost(f"producer {self.cfg.rank}: version {version} failed: {st.failed}")
+        view = self.coordinator.lease_view() if self.coordinator is not None else self.heartbeat.view()
+        for cid, session, why in view["dead"]:
+            if st.members.get(cid, ("", ""))[1] == session:
+                self._drop(st, cid, why)
+        for v, cid, session, why in view["left"]:
+            if v == version and st.members.get(cid, ("", ""))[1] == session:
+                self._drop(st, cid, f"abandoned version {version}: {why}")
+        dead = {int(r): why for r, (inc, why) in view["dead_producers"].items()  # a stale entry for a rank that
+                if inc >= st.incarnations.get(int(r), -1)}                         # rejoined since is not a death
+        if dead:
+            raise ProducerLost(f"producer {self.cfg.rank}, version {version}: " + "; ".join(dead.values()))
+        why = view["failed"].get(version)
+        if why:
+            raise SyncError(f"producer {self.cfg.rank}: version {version} failed: {why}")
+
+    def _wait(self, pred, what, version: int, st: VersionState) -> None:
+        deadline = time.monotonic() + self.cfg.timeout_s
+        with self.cv:
+            while True:
+                self._prune(version, st)
+                if pred():
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"producer {self.cfg.rank}: timed out after {self.cfg.timeout_s} s waiting "
+                                         f"for {what()}")
+                self.cv.wait(min(left, 0.25))
+
+    def held_bytes(self) -> int:
+        """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""
+        with self.cv:
+            return sum(c[2] for st in self.versions.values() for g, per in st.ready.items() if st.pending.get(g)
+                       for chunks in per.values() for c in chunks)
