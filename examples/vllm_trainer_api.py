@@ -26,6 +26,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--verify", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--async-sync", action="store_true", help="send_weights(block=False): train while it serves")
     args = ap.parse_args()
     if args.json:  # stdout carries only the JSON line: vLLM's logs (driver, engine core, workers) go to stderr
         os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
@@ -59,7 +60,11 @@ def main() -> int:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        out = engine.send_weights()                                     # every trainer rank, every step
+        if args.async_sync:  # returns once the weights are copied aside; the engines pull in the background
+            engine.send_weights(block=False)
+            out = engine.wait()  # a real loop would run its next step here; the next send_weights waits too
+        else:
+            out = engine.send_weights()                                 # every trainer rank, every step
         tokens = list(llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
         versions.append(llm.get_weight_version())
         print(f"step {step}: loss {loss.item():.3f}  sync {out['seconds']:.2f} s  {out['bytes_sent']} bytes  "

@@ -25,10 +25,13 @@ def run_example(name: str, *args: str) -> dict:
     return json.loads(lines[0])  # --json: stdout is the JSON line and nothing else
 
 
-def test_vllm_trainer_api_example_into_a_real_engine_is_exact() -> None:
-    r = run_example("vllm_trainer_api.py", "--steps", "3", "--verify")
+@pytest.mark.parametrize("mode", ["blocking", "non-blocking"])
+def test_vllm_trainer_api_example_into_a_real_engine_is_exact(mode: str) -> None:
+    steps = 3 if mode == "blocking" else 2
+    r = run_example("vllm_trainer_api.py", "--steps", str(steps), "--verify",
+                    *(["--async-sync"] if mode == "non-blocking" else []))
     assert r["exact"] is True and r["tensors_compared"] > 0 and r["mismatched"] == []
-    assert r["versions"] == ["1", "2", "3"]
+    assert r["versions"] == [str(v) for v in range(1, steps + 1)]
     assert r["tokens"] == r["fresh_tokens"]
 
 

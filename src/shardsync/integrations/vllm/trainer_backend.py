@@ -165,19 +165,59 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
             raise box["err"]
         return out
 
-    def send_weights(self) -> dict[str, Any]:
-        """One sync on every trainer rank: the sender drives start -> update (workers pull) -> finish."""
+    def send_weights(self, *, block: bool = True) -> dict[str, Any] | None:
+        """One sync on every trainer rank: the sender drives start -> update (workers pull) -> finish.
+
+        ``block=False`` (asynchronous RL, beyond vLLM's API): returns once this rank's lockstep gathers are done
+        and the tensors it serves are copied aside (``Producer.sync(block=False)``); serving and, on the sender,
+        the engines' RPCs run in the background. The next ``send_weights`` (or ``wait()``) waits for it."""
+        self.wait()
         self.version += 1
         v = self.version
+        if block:
+            return self._send(v, lambda: self.producer.sync(v))
+        pending = self.producer.sync(v, block=False)
+        box: dict[str, Any] = {}
+
+        def finish() -> None:
+            try:
+                box["out"] = self._send(v, pending.result)
+            except BaseException as e:
+                box["err"] = e
+
+        self._async = (threading.Thread(target=finish, name=f"shardsync-send-v{v}", daemon=True), box)
+        self._async[0].start()
+        return None
+
+    def wait(self) -> dict[str, Any] | None:
+        """The outcome of a non-blocking ``send_weights`` still in flight (its failure raised); None if none."""
+        job, self._async = getattr(self, "_async", None), None
+        if job is None:
+            return None
+        th, box = job
+        th.join(timeout=self.producer.cfg.timeout_s * 2 + 60)
+        if th.is_alive():
+            raise SyncError(f"a non-blocking send_weights (version {self.version}) is still running")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def _send(self, v: int, result: Any) -> dict[str, Any]:
+        """``result()`` serves version ``v`` (or waits for its background serving) and returns its outcome; the
+        sender runs it while the engines pull (their ``update_weights`` on a side thread)."""
         if not self.is_sender:
-            return self.producer.sync(v)
+            return result()
         self.client.start_weight_update()
-        out = self._side(lambda: self.client.update_weights({"version": v}), lambda: self.producer.sync(v),
+        out = self._side(lambda: self.client.update_weights({"version": v}), result,
                          what=f"the inference engines' update_weights (version {v})")
         self.client.finish_weight_update(weight_version=str(v))
         return out
 
     def shutdown(self) -> None:
+        try:
+            self.wait()
+        except Exception:
+            pass  # reported where it failed; shutting down goes on
         if self.is_sender:
             stop = getattr(self.client, "shutdown_weight_transfer_engine", None)
             if callable(stop):
