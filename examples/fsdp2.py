@@ -59,7 +59,8 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         from vllm.distributed.weight_transfer.base import ModuleSource
         source = ModuleSource(trainer.model)
     else:
-        source = trainer.source()
+        from shardsync.sources.fsdp import FSDPSource
+        source = FSDPSource(trainer.model)                                  # one all-gather per layer
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=3, rank=rank)  # 1 + 2 workers
     engine = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=source)
     g = torch.Generator().manual_seed(0)

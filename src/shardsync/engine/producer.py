@@ -384,6 +384,7 @@ class Producer(ServedVersions):
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
                           max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
                           gathered_bytes=gathered, peak_gathered_bytes=peak, snapshot_bytes=snapshot_bytes,
+                          source_stats=dict(getattr(self.source, "stats", None) or {}),
                           completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                           dropped_at=dict(st.dropped_at))
         return dict(self.stats)

@@ -34,6 +34,11 @@ class ForeignSource(WeightSource):
         self.inner = inner
         self._metas: list[ParamMeta] | None = None
 
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The wrapped source's own counters, if it keeps any (collectives, gathered bytes)."""
+        return dict(getattr(self.inner, "stats", None) or {})
+
     def metadata(self) -> list[ParamMeta]:
         if self._metas is None:  # a Megatron-style export may be a collective: ask once
             self._metas = [ParamMeta(name=m.name, dtype=m.dtype if isinstance(m.dtype, str) else dtype_name(m.dtype),

@@ -19,6 +19,7 @@ import torch
 
 from ..plan.groups import weight_group
 from ..zoo import ZooConfig
+from .trainer_ranks import FSDPRank, MegatronRank
 
 
 def pp_share(names: list[str], rank: int, n: int) -> list[str]:
@@ -37,6 +38,10 @@ def pp_share(names: list[str], rank: int, n: int) -> list[str]:
 
 def weights_at(spec: dict):
     """``version -> full HF state dict`` of the trainer (seed = version), the same in every process."""
+    if spec["kind"] == "fsdp":  # a real trainer: rank 0 writes what it holds after each step
+        from safetensors.torch import load_file
+
+        return lambda v: load_file(os.path.join(spec["dir"], f"v{v}.safetensors"))
     if spec["kind"] in ("zoo", "megatron"):
         from ..zoo import hf_state_dict
 
@@ -55,6 +60,8 @@ class VersionedSource:
     def make(spec: dict, rank: int, n: int):
         if spec["kind"] == "megatron":
             return MegatronRank(spec, rank, n)
+        if spec["kind"] == "fsdp":
+            return FSDPRank(spec, rank, n)
         from ..source import ModuleSource
 
         at = weights_at(spec)
@@ -68,138 +75,6 @@ class VersionedSource:
 
         return Source(first, held=pp_share(names, rank, n))
 
-
-def megatron_coords(par: dict, rank: int) -> dict[str, int]:
-    """Megatron's rank order for TP x EP x PP (no DP beyond EP): tp fastest, then ep, then pp."""
-    tp, ep = par.get("tp", 1), par.get("ep", 1)
-    return {"tp_rank": rank % tp, "ep_rank": (rank // tp) % ep, "pp_rank": rank // (tp * ep)}
-
-
-class MegatronRank:
-    """One rank of a Megatron-style TP x EP x PP trainer (gloo among the producer processes): its local shards
-    in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step.
-    ``spec["gather"] = "everywhere"``: through :class:`GatherEverywhere` instead (``shardsync bench --mode v1``)."""
-
-    def __init__(self, spec: dict, rank: int, n: int):
-        from ..sources.megatron import MegatronConfig, MegatronParallel
-        from ..sources.megatron_layout import hf_shapes
-        from ..types import ParamMeta
-
-        par = spec["par"]
-        tp, ep, pp = par.get("tp", 1), par.get("ep", 1), par.get("pp", 1)
-        if tp * ep * pp != n:
-            raise ValueError(f"{n} producers cannot hold TP{tp} x EP{ep} x PP{pp}")
-        self.spec, self.rank, self.n, self.inner, self.version = spec, rank, n, None, 0
-        me = megatron_coords(par, rank)
-        self.zc = ZooConfig(**spec["cfg"])
-        self.mcfg = MegatronConfig.like(self.zc, dtype=self.zc.ckpt_dtype)
-        moe_tp = tp > 1 and self.zc.experts
-        self.par = MegatronParallel(tp=tp, pp=pp, ep=ep, etp=tp if moe_tp else 1,
-                                    etp_rank=me["tp_rank"] if moe_tp else 0, **me)
-        self.metas = [ParamMeta(name=k, dtype=self.mcfg.dtype, shape=s) for k, s in hf_shapes(self.mcfg).items()]
-
-    def _source(self):
-        """Joins the trainer's process group on first use (after every rank's producer is listening)."""
-        if self.inner is None:
-            from datetime import timedelta
-
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self.spec['dist_port']}", rank=self.rank,
-                                    world_size=self.n, timeout=timedelta(seconds=120))
-            tp = self.par.tp
-            groups = {tuple(range(s, s + tp)): dist.new_group(list(range(s, s + tp)))  # same order on every rank
-                      for s in range(0, self.n, tp)}
-            self.tp_group = next(g for rs, g in groups.items() if self.rank in rs)
-            self.set_version(self.version)
-        return self.inner
-
-    def set_version(self, v: int) -> None:
-        from ..sources.megatron import MegatronSource, hf_to_megatron_shards
-        from ..zoo import hf_state_dict
-
-        self.version = v
-        if not hasattr(self, "tp_group"):
-            self._source()
-            return
-        local = hf_to_megatron_shards(hf_state_dict(self.zc, seed=v), self.mcfg, self.par)
-        if getattr(self, "local", None) is not None:  # an optimizer step: the rank's tensors change IN PLACE
-            for k, t in local.items():
-                self.local[k].copy_(t)
-            return
-        self.local = local
-        if self.spec.get("gather") == "everywhere":  # bench v1: every tensor on every rank
-            self.inner = GatherEverywhere(local, self.mcfg, self.par, self.rank, self.n, self.spec["par"])
-            return
-        self.inner = MegatronSource(local, self.mcfg, self.par, tp_group=self.tp_group,
-                                    etp_group=self.tp_group if self.par.etp > 1 else None)
-
-    def metadata(self):
-        return self.metas
-
-    def held_names(self):
-        return self._source().held_names()
-
-    def groups(self):
-        return self._source().groups()
-
-    def iter_groups(self):
-        return self._source().iter_groups()
-
-
-class GatherEverywhere:
-    """The naive trainer-side export (``bench --mode v1``): EVERY rank materialises EVERY tensor of the model,
-    tensor by tensor, with one all-gather over the whole trainer world per Megatron tensor (the ranks holding
-    its TP/ETP shards put them in, every other rank zeros of the same shape). ``held_names()`` is None: every
-    rank holds everything, so routing may pick any rank; the world iterates every group in lockstep."""
-
-    def __init__(self, local: dict, mcfg: Any, par: Any, rank: int, n: int, sizes: dict):
-        from ..source import gather_groups
-        from ..sources.megatron_layout import hf_shapes, items, local_shapes
-        from ..types import ParamMeta, dtype_of
-
-        self.local, self.mcfg, self.rank, self.n, self.dtype = local, mcfg, rank, n, dtype_of(mcfg.dtype)
-        self.metas = [ParamMeta(name=k, dtype=mcfg.dtype, shape=s) for k, s in hf_shapes(mcfg).items()]
-        plan: dict[tuple, tuple] = {}  # HF names -> (item, {shard index: (rank, local name)}, shard shape)
-        for r in range(n):
-            c = megatron_coords(sizes, r)
-            pr = par.replace(**c, etp_rank=c["tp_rank"] if par.etp > 1 else 0)
-            shapes = local_shapes(mcfg, pr)
-            for it in items(mcfg, pr):
-                split = (it.axis == "tp" and pr.tp > 1) or (it.axis == "etp" and pr.etp > 1)
-                if it.export:
-                    i = (pr.tp_rank if it.axis == "tp" else pr.etp_rank) if split else 0
-                    plan.setdefault(it.hf, (it, {}, shapes[it.local]))[1].setdefault(i, (r, it.local))
-        self._groups = gather_groups([m.name for m in self.metas])
-        self._plan: dict[str, list[tuple]] = {}
-        for key, (it, holders, shape) in plan.items():
-            self._plan.setdefault(weight_group(key[0]), []).append((it, [holders[i] for i in sorted(holders)], shape))
-
-    def metadata(self):
-        return self.metas
-
-    def held_names(self):
-        return None
-
-    def groups(self):
-        return [list(g) for g in self._groups]
-
-    def iter_groups(self):
-        import torch.distributed as dist
-
-        from ..sources.megatron_layout import merge
-
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        for names in self._groups:
-            out: dict[str, torch.Tensor] = {}
-            for it, holders, shape in self._plan[weight_group(names[0])]:  # one world collective per tensor
-                mine = next((self.local[x].contiguous() for r, x in holders if r == self.rank), None)
-                mine = torch.zeros(shape, dtype=self.dtype) if mine is None else mine
-                k = mine.numel()
-                full = torch.empty(self.n * k, dtype=mine.dtype)
-                gather(full, mine.view(-1))
-                out.update(zip(it.hf, merge(it, [full[r * k:(r + 1) * k].view(shape) for r, _ in holders], self.mcfg)))
-            yield list(names), [out[x] for x in names]
 
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
@@ -273,6 +148,8 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
         from ..zoo import ZooModel, hf_state_dict
 
         zc = ZooConfig(**cfg)
+        ccfg = dict(ccfg)
+        spec = ccfg.pop("check_spec", None)  # what the trainer holds at each version (default: the zoo weights)
         live = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
         params = dict(live.named_parameters())
 
@@ -321,7 +198,8 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
                 if not cons.torn:
                     ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
                     if cons.version:
-                        ref.load_weights(hf_state_dict(zc, seed=cons.version).items())
+                        expected = weights_at(spec)(cons.version) if spec else hf_state_dict(zc, seed=cons.version)
+                        ref.load_weights(expected.items())
                         state["mismatched"] = mismatched(live.state_dict(), ref.state_dict())
                     else:
                         state["mismatched"] = []  # never synced: holds its initial weights, not a trainer version

@@ -111,6 +111,7 @@ class LocalCluster:
                 self.bl = {"port": sk.getsockname()[1], "world": producers + n_cons, "producers": producers}
             base["baseline"] = self.bl
         self.spec = spec or {"kind": "zoo", "cfg": self.c}
+        self.ccfg["check_spec"] = self.spec
         self._start(producer_main, (0, producers, self.spec, dict(base, rank=0)), 0)
         coord = self._expect("address", {0})[0]
         self.pcfg = dict(base, coordinator=coord)

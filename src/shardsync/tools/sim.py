@@ -24,14 +24,15 @@ Modelling choices:
 - **Times.** *Absolute SoL*: the slowest of (bytes into one replica ÷ its GPUs' NICs) and (all bytes
   ÷ all trainer NICs). *Serial-PP SoL*: PP stages served one after another, each bounded by its own
   ranks' NICs (every replica pulls each byte from the stage) and by each replica's NICs; summed.
-  *Predicted* (the schedule as implemented in ``producer.py``/``consumer.py``): consumers pull groups
-  in transfer order, producers keep ``lookahead + 1`` groups, so a group moves roughly in lockstep:
+  *Serial-PP schedule* (``predicted_s``; the consumer's ``parallel_producers=False`` reference, and what
+  the engine did before PP stages were pulled in parallel): consumers pull groups in transfer order, producers keep ``lookahead + 1`` groups, so a group moves roughly in lockstep:
   its time is the busiest link's bytes ÷ bandwidth (a producer's NIC shared by the consumers it
   serves, each consumer's NIC its own limit) plus control round trips (2 per producer, ``CONTROL_RTT_S``)
   and one ``READ_LATENCY_S`` per chunk; gather (TP all-gather on NVLink) + pack (``HBM_COPY_BPS``) of
   group g+1 overlap group g's transfer, unpack/apply of g-1 too; pipeline fill and drain are added.
-  *Parallel PP*: consumers pull from ``k`` PP stages at once, ``k`` bounded by a receive-memory
-  budget (k + 1 slots of the largest group); time = max(consumer NICs, stage work ÷ k, slowest
+  *Parallel PP* (``parallel_pp_s``; the engine's default schedule: one puller per producer, receive slots
+  shared under the head rule of ``engine/recvslots.py``): consumers pull from ``k`` PP stages at once, ``k``
+  bounded by a receive-memory budget (k + 1 slots of the largest group); time = max(consumer NICs, stage work ÷ k, slowest
   stage) + fill + drain.
 
 Plans are recorded in ``full`` mode by default (every tensor through every distinct consumer's
@@ -321,8 +322,8 @@ def _table(r: dict[str, Any], top: Topology) -> str:
         f"{'time':<34}{'seconds':>12}   bottleneck",
         f"{'absolute SoL':<34}{_fmt_s(r['abs_sol_s']):>12}   {r['abs_sol_bottleneck']}",
         f"{'serial-PP SoL':<34}{_fmt_s(r['serial_pp_sol_s']):>12}   {r['serial_pp_bottleneck']}",
-        f"{'shardsync, as implemented':<34}{_fmt_s(r['predicted_s']):>12}   {r['predicted_bottleneck']}",
-        f"{'parallel PP (' + str(r['parallel_pp_streams']) + ' streams)':<34}{_fmt_s(r['parallel_pp_s']):>12}   "
+        f"{'serial-PP schedule':<34}{_fmt_s(r['predicted_s']):>12}   {r['predicted_bottleneck']}",
+        f"{'shardsync: PP parallel (' + str(r['parallel_pp_streams']) + ' streams)':<34}{_fmt_s(r['parallel_pp_s']):>12}   "
         f"{r['parallel_pp_bottleneck']}; {_fmt_b(r['parallel_pp_recv_bytes'])} receive buffers "
         f"(budget {_fmt_b(r['recv_budget_bytes'])})",
     ]

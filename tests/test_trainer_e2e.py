@@ -1,7 +1,8 @@
-"""Megatron-style trainers through the engine: TP2 x PP2 dense and EP2 x PP2 MoE producer processes (gloo TP
-groups, Megatron layouts, ``MegatronSource``) -> one TP2 zoo replica, 3 syncs with new weights each, every
-consumer byte-exact; each rank gathers exactly the HF tensors it holds (no tensor across PP, no expert across
-EP); gather and receive budgets hold."""
+"""Sharded trainers through the engine, real processes and real gloo collectives. Megatron-style TP2 x PP2 dense
+and EP2 x PP2 MoE producer processes (gloo TP groups, Megatron layouts, ``MegatronSource``) -> one TP2 zoo
+replica, 3 syncs with new weights each, every consumer byte-exact; each rank gathers exactly the HF tensors it
+holds (no tensor across PP, no expert across EP); gather and receive budgets hold. An FSDP2 reference trainer
+really training between syncs. Non-blocking syncs under in-place weight changes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import pytest
 
 from shardsync.sources.megatron_layout import MegatronConfig, MegatronParallel, held_hf_names
-from shardsync.tools.cluster_procs import megatron_coords
+from shardsync.tools.trainer_ranks import megatron_coords
 from shardsync.tools.localcluster import LocalCluster
 from shardsync.types import itemsize
 from shardsync.zoo import ZooConfig, hf_shapes
@@ -85,3 +86,30 @@ def test_non_blocking_sync_serves_the_snapshot_while_training_changes_the_weight
             assert all(p["snapshot_bytes"] > 0 and p["completed"] for p in r["producers"])
         r = cl.sync(3)  # and a blocking one after
         assert r["exact"] and all(p["snapshot_bytes"] == 0 for p in r["producers"])
+
+
+def test_fsdp2_trainer_really_training_to_tp2_replica_exact_every_sync(tmp_path) -> None:
+    """2 FSDP2 ranks of the reference trainer (forward, backward, AdamW between syncs) -> a TP2 replica: every
+    sync exact against the weights the trainer holds after that step; lockstep: each rank runs one collective
+    per gather group per sync (every group on every rank: FSDP shards everything) and no more."""
+    zc = ZooConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, inter=128, qk_norm=True,
+                   dtype="float32", ckpt_dtype="float32")  # the reference trainer's tiny Qwen3, as zoo consumers
+    spec = {"kind": "fsdp", "arch": "qwen3", "dir": str(tmp_path), "dist_port": _port()}
+    with LocalCluster(zc, producers=2, replicas=1, tp=2, spec=spec, max_chunk_bytes=64 << 10, timeout_s=90) as cl:
+        prev = [0, 0]
+        for v in (1, 2, 3):
+            r = cl.sync(v)
+            assert r["exact"], r["consumers"]
+            for rank, p in enumerate(r["producers"]):
+                groups = p["gather_batches"]
+                assert p["source_stats"]["collectives"] - prev[rank] == groups, (rank, p["source_stats"], groups)
+                prev[rank] = p["source_stats"]["collectives"]
+                assert p["bytes_sent"] > 0  # both ranks serve: routing splits the work
+        first, last = _load(tmp_path, 1), _load(tmp_path, 3)
+        assert any(not first[k].equal(last[k]) for k in first)  # the weights really changed between syncs
+
+
+def _load(d, v: int) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{d}/v{v}.safetensors")

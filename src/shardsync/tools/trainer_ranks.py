@@ -1,0 +1,207 @@
+"""Trainer ranks for the local cluster's producer processes, beyond a plain module: a Megatron-style TP x EP x
+PP rank (``MegatronRank``: local shards in Megatron layouts, gloo TP groups, ``MegatronSource``; its
+``GatherEverywhere`` variant is the benchmark's v1 reference) and an FSDP2 rank (``FSDPRank``: the reference
+trainer, really training — forward, backward, AdamW — between syncs). Each joins the trainer's gloo group on
+first use, after every producer is listening; ``set_version(v)`` is the training step before sync ``v``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ..plan.groups import weight_group
+from ..zoo import ZooConfig
+
+
+def _join(spec: dict, rank: int, n: int) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['dist_port']}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=120))
+
+
+def megatron_coords(par: dict, rank: int) -> dict[str, int]:
+    """Megatron's rank order for TP x EP x PP (no DP beyond EP): tp fastest, then ep, then pp."""
+    tp, ep = par.get("tp", 1), par.get("ep", 1)
+    return {"tp_rank": rank % tp, "ep_rank": (rank // tp) % ep, "pp_rank": rank // (tp * ep)}
+
+
+class MegatronRank:
+    """One rank of a Megatron-style TP x EP x PP trainer (gloo among the producer processes): its local shards
+    in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step.
+    ``spec["gather"] = "everywhere"``: through :class:`GatherEverywhere` instead (``shardsync bench --mode v1``)."""
+
+    def __init__(self, spec: dict, rank: int, n: int):
+        from ..sources.megatron import MegatronConfig, MegatronParallel
+        from ..sources.megatron_layout import hf_shapes
+        from ..types import ParamMeta
+
+        par = spec["par"]
+        tp, ep, pp = par.get("tp", 1), par.get("ep", 1), par.get("pp", 1)
+        if tp * ep * pp != n:
+            raise ValueError(f"{n} producers cannot hold TP{tp} x EP{ep} x PP{pp}")
+        self.spec, self.rank, self.n, self.inner, self.version = spec, rank, n, None, 0
+        me = megatron_coords(par, rank)
+        self.zc = ZooConfig(**spec["cfg"])
+        self.mcfg = MegatronConfig.like(self.zc, dtype=self.zc.ckpt_dtype)
+        moe_tp = tp > 1 and self.zc.experts
+        self.par = MegatronParallel(tp=tp, pp=pp, ep=ep, etp=tp if moe_tp else 1,
+                                    etp_rank=me["tp_rank"] if moe_tp else 0, **me)
+        self.metas = [ParamMeta(name=k, dtype=self.mcfg.dtype, shape=s) for k, s in hf_shapes(self.mcfg).items()]
+
+    def _source(self):
+        """Joins the trainer's process group on first use (after every rank's producer is listening)."""
+        if self.inner is None:
+            import torch.distributed as dist
+
+            _join(self.spec, self.rank, self.n)
+            tp = self.par.tp
+            groups = {tuple(range(s, s + tp)): dist.new_group(list(range(s, s + tp)))  # same order on every rank
+                      for s in range(0, self.n, tp)}
+            self.tp_group = next(g for rs, g in groups.items() if self.rank in rs)
+            self.set_version(self.version)
+        return self.inner
+
+    def set_version(self, v: int) -> None:
+        from ..sources.megatron import MegatronSource, hf_to_megatron_shards
+        from ..zoo import hf_state_dict
+
+        self.version = v
+        if not hasattr(self, "tp_group"):
+            self._source()
+            return
+        local = hf_to_megatron_shards(hf_state_dict(self.zc, seed=v), self.mcfg, self.par)
+        if getattr(self, "local", None) is not None:  # an optimizer step: the rank's tensors change IN PLACE
+            for k, t in local.items():
+                self.local[k].copy_(t)
+            return
+        self.local = local
+        if self.spec.get("gather") == "everywhere":  # bench v1: every tensor on every rank
+            self.inner = GatherEverywhere(local, self.mcfg, self.par, self.rank, self.n, self.spec["par"])
+            return
+        self.inner = MegatronSource(local, self.mcfg, self.par, tp_group=self.tp_group,
+                                    etp_group=self.tp_group if self.par.etp > 1 else None)
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return self._source().held_names()
+
+    def groups(self):
+        return self._source().groups()
+
+    def iter_groups(self):
+        return self._source().iter_groups()
+
+
+class GatherEverywhere:
+    """The naive trainer-side export (``bench --mode v1``): EVERY rank materialises EVERY tensor of the model,
+    tensor by tensor, with one all-gather over the whole trainer world per Megatron tensor (the ranks holding
+    its TP/ETP shards put them in, every other rank zeros of the same shape). ``held_names()`` is None: every
+    rank holds everything, so routing may pick any rank; the world iterates every group in lockstep."""
+
+    def __init__(self, local: dict, mcfg: Any, par: Any, rank: int, n: int, sizes: dict):
+        from ..source import gather_groups
+        from ..sources.megatron_layout import hf_shapes, items, local_shapes
+        from ..types import ParamMeta, dtype_of
+
+        self.local, self.mcfg, self.rank, self.n, self.dtype = local, mcfg, rank, n, dtype_of(mcfg.dtype)
+        self.metas = [ParamMeta(name=k, dtype=mcfg.dtype, shape=s) for k, s in hf_shapes(mcfg).items()]
+        plan: dict[tuple, tuple] = {}  # HF names -> (item, {shard index: (rank, local name)}, shard shape)
+        for r in range(n):
+            c = megatron_coords(sizes, r)
+            pr = par.replace(**c, etp_rank=c["tp_rank"] if par.etp > 1 else 0)
+            shapes = local_shapes(mcfg, pr)
+            for it in items(mcfg, pr):
+                split = (it.axis == "tp" and pr.tp > 1) or (it.axis == "etp" and pr.etp > 1)
+                if it.export:
+                    i = (pr.tp_rank if it.axis == "tp" else pr.etp_rank) if split else 0
+                    plan.setdefault(it.hf, (it, {}, shapes[it.local]))[1].setdefault(i, (r, it.local))
+        self._groups = gather_groups([m.name for m in self.metas])
+        self._plan: dict[str, list[tuple]] = {}
+        for key, (it, holders, shape) in plan.items():
+            self._plan.setdefault(weight_group(key[0]), []).append((it, [holders[i] for i in sorted(holders)], shape))
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return None
+
+    def groups(self):
+        return [list(g) for g in self._groups]
+
+    def iter_groups(self):
+        import torch.distributed as dist
+
+        from ..sources.megatron_layout import merge
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        for names in self._groups:
+            out: dict[str, torch.Tensor] = {}
+            for it, holders, shape in self._plan[weight_group(names[0])]:  # one world collective per tensor
+                mine = next((self.local[x].contiguous() for r, x in holders if r == self.rank), None)
+                mine = torch.zeros(shape, dtype=self.dtype) if mine is None else mine
+                k = mine.numel()
+                full = torch.empty(self.n * k, dtype=mine.dtype)
+                gather(full, mine.view(-1))
+                out.update(zip(it.hf, merge(it, [full[r * k:(r + 1) * k].view(shape) for r, _ in holders], self.mcfg)))
+            yield list(names), [out[x] for x in names]
+
+
+class FSDPRank:
+    """One rank of the FSDP2 reference trainer (``tools/reftrainer.py``) over all producer processes:
+    ``set_version(v)`` runs one optimizer step on a batch seeded by ``v``; rank 0 then writes the full weights
+    to ``{spec["dir"]}/v{v}.safetensors`` (what consumers are checked against)."""
+
+    def __init__(self, spec: dict, rank: int, n: int):
+        from ..source import ModuleSource
+        from .reftrainer import build_model
+
+        self.spec, self.rank, self.n, self.trainer = spec, rank, n, None
+        self.metas = ModuleSource(build_model(spec.get("arch", "qwen3"), seed=0)).metadata()  # no gather needed
+
+    def _source(self):
+        if self.trainer is None:
+            from .reftrainer import RefTrainer
+
+            _join(self.spec, self.rank, self.n)
+            self.trainer = RefTrainer(arch=self.spec.get("arch", "qwen3"), seed=0)
+            self.source = self.trainer.source()
+        return self.source
+
+    def set_version(self, v: int) -> None:
+        self._source()
+        assert self.trainer is not None
+        if v > 0:
+            g = torch.Generator().manual_seed(v)
+            self.trainer.step(torch.randint(0, 256, (2, 16), generator=g))
+        full = self.trainer.full_state_dict()  # a collective: every rank
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            path = os.path.join(self.spec["dir"], f"v{v}.safetensors")
+            save_file(full, path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self._source().stats
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return None
+
+    def groups(self):
+        return self._source().groups()
+
+    def iter_groups(self):
+        return self._source().iter_groups()
