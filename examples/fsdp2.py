@@ -50,7 +50,8 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         full = trainer.full_state_dict()
         from shardsync.integrations.vllm.reference import save_checkpoint
 
-        save_checkpoint(full, trainer.save_config(os.path.join(work, "config")), os.path.join(work, "ckpt"))  # the engine's start
+        # the engine starts from the trainer's initial weights
+        save_checkpoint(full, trainer.save_config(os.path.join(work, "config")), os.path.join(work, "ckpt"))
         llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                   gpu_memory_utilization=0.4, tensor_parallel_size=2, weight_transfer_config={"backend": "shardsync"})
     else:

@@ -38,3 +38,50 @@ def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int 
     report = loopback_sync(src, consumers)
     bad = [mismatched(ref.state_dict(), live.state_dict()) for ref, live in zip(refs, lives)]
     return bad, report, plans
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank_scripts(script: str, world: int, out, timeout_s: float, what: str) -> list[dict]:
+    """Run ``python script RANK PORT OUT`` for every rank (a gloo group on a free port); each writes
+    ``OUT/rank{R}.json``; returns them in rank order. Killed and failed (pytest) after ``timeout_s``."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(port), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    deadline, logs = time.monotonic() + timeout_s, []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"{what} ranks did not finish within {timeout_s}s")
+    results = []
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        path = out / f"rank{r}.json"
+        assert p.returncode == 0 and path.exists(), f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def scenario(ranks: list[dict], name: str) -> list[dict]:
+    """Every rank's result of one scenario (failing the test with the rank's traceback if it failed)."""
+    for r, res in enumerate(ranks):
+        assert name in res, f"rank {r} did not reach scenario {name!r}: {res}"
+        assert "error" not in res[name], f"rank {r}, scenario {name}:\n{res[name]['error']}"
+    return [res[name] for res in ranks]

@@ -11,7 +11,7 @@ import sys
 
 
 def test_bench_modes_all_json_exact_and_v1_gathers_more() -> None:
-    p = subprocess.run([sys.executable, "-m", "shardsync.cli", "bench", "--mode", "all", "--json"],
+    p = subprocess.run([sys.executable, "-m", "shardsync.cli", "bench", "--mode", "all", "--syncs", "1", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     lines = p.stdout.strip().splitlines()

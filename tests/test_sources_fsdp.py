@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import traceback
 
 import pytest
@@ -23,6 +20,8 @@ from torch import nn
 from shardsync.errors import MetadataMismatch
 from shardsync.source import gather_groups
 from shardsync.sources.fsdp import FSDPSource, strip_wrappers
+
+from helpers import run_rank_scripts, scenario
 
 WORLD = 2
 LAUNCH_TIMEOUT_S = 50
@@ -121,44 +120,13 @@ def _worker(rank: int, port: int, outdir: str) -> None:
 
 
 # ---- the tests ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    deadline, logs = time.monotonic() + LAUNCH_TIMEOUT_S, []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"FSDP ranks did not finish within {LAUNCH_TIMEOUT_S}s")
-    results = []
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        path = out / f"rank{r}.json"
-        assert p.returncode == 0 and path.exists(), f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    return results
-
-
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    for r, res in enumerate(ranks):
-        assert name in res, f"rank {r} did not reach scenario {name!r}: {res}"
-        assert "error" not in res[name], f"rank {r}, scenario {name}:\n{res[name]['error']}"
-    return [res[name] for res in ranks]
+    return run_rank_scripts(__file__, WORLD, tmp_path_factory.mktemp("fsdp"), LAUNCH_TIMEOUT_S, "FSDP")
 
 
 def test_fsdp_groups_exact_after_training(ranks):
-    for r, res in enumerate(_scenario(ranks, "fsdp")):
+    for r, res in enumerate(scenario(ranks, "fsdp")):
         assert res["init_equal"], f"rank {r}: the sharded model's first pass differs from an unsharded replica"
         assert res["changed"] == res["n_full"] == 25, res       # two AdamW steps changed every parameter
         assert res["yielded"] == res["expected"] and len(res["expected"]) == 4   # pre, 2 layers, post
@@ -167,13 +135,13 @@ def test_fsdp_groups_exact_after_training(ranks):
 
 
 def test_fsdp_one_collective_per_group(ranks):
-    for res in _scenario(ranks, "fsdp"):
+    for res in scenario(ranks, "fsdp"):
         assert res["stats"]["collectives"] == len(res["expected"])
         assert res["stats"]["gathered_bytes"] == res["full_bytes"] > 0
 
 
 def test_2d_mesh_tp_sharded_exact(ranks):
-    for r, res in enumerate(_scenario(ranks, "tp")):
+    for r, res in enumerate(scenario(ranks, "tp")):
         assert len(res["tp_sharded"]) == 14, res["tp_sharded"]  # q,k,v,o,gate,up,down of 2 layers
         assert res["yielded"] == res["expected"]
         assert res["mismatches"] == [], f"rank {r}: not bit-exact: {res['mismatches']}"
@@ -183,7 +151,7 @@ def test_2d_mesh_tp_sharded_exact(ranks):
 
 
 def test_mixed_dtypes_uneven_shards(ranks):
-    by_rank = _scenario(ranks, "mixed")
+    by_rank = scenario(ranks, "mixed")
     assert [res["local_rows"] for res in by_rank] == [[3, 1, 4, 2, 5], [2, 0, 3, 1, 4]]
     for r, res in enumerate(by_rank):
         assert res["yielded"] == [["model.layers.0.a.weight", "model.layers.0.b.weight", "model.layers.0.c.weight",

@@ -8,10 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 import traceback
 
 import pytest
@@ -24,6 +21,8 @@ from shardsync.sources.megatron import MegatronSource
 from shardsync.sources.megatron_layout import (Item, MegatronConfig, MegatronParallel, hf_shapes, hf_to_megatron_shards,
                                                held_hf_names, local_shapes, megatron_to_hf, merge, padded_vocab, shard)
 from shardsync.zoo.models import ZooConfig, hf_state_dict
+
+from helpers import run_rank_scripts, scenario
 
 WORLD = 4
 LAUNCH_TIMEOUT_S = 55
@@ -252,40 +251,9 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("megatron")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    deadline, logs = time.monotonic() + LAUNCH_TIMEOUT_S, []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"Megatron ranks did not finish within {LAUNCH_TIMEOUT_S}s")
-    results = []
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        path = out / f"rank{r}.json"
-        assert p.returncode == 0 and path.exists(), f"rank {r} exited {p.returncode}:\n{log[-4000:]}"
-        results.append(json.loads(path.read_text()))
-    return results
-
-
-def _scenario(ranks: list[dict], name: str) -> list[dict]:
-    for r, res in enumerate(ranks):
-        assert name in res, f"rank {r} did not reach scenario {name!r}: {res}"
-        assert "error" not in res[name], f"rank {r}, scenario {name}:\n{res[name]['error']}"
-    return [res[name] for res in ranks]
+    return run_rank_scripts(__file__, WORLD, tmp_path_factory.mktemp("megatron"), LAUNCH_TIMEOUT_S, "Megatron")
 
 
 def _check_exact(res: dict, r: int, expected_held: set[str]) -> None:
@@ -297,7 +265,7 @@ def _check_exact(res: dict, r: int, expected_held: set[str]) -> None:
 
 def test_dense_tp2_pp2(ranks):
     zc = _zoo(False, qk_norm=True, layers=3)
-    for r, res in enumerate(_scenario(ranks, "dense_tp2_pp2")):
+    for r, res in enumerate(scenario(ranks, "dense_tp2_pp2")):
         first = r // 2 == 0
         _check_exact(res, r, _expected_held(zc, range(0, 2) if first else range(2, 3), first, not first, None))
         assert len(res["groups"]) == (3 if first else 2)                # pre + 2 layers | layer 2 + post
@@ -306,7 +274,7 @@ def test_dense_tp2_pp2(ranks):
 
 def test_moe_ep2_pp2(ranks):
     zc = _zoo(True, qk_norm=True, layers=2)
-    for r, res in enumerate(_scenario(ranks, "moe_ep2_pp2")):
+    for r, res in enumerate(scenario(ranks, "moe_ep2_pp2")):
         e, first = r % 2, r // 2 == 0
         _check_exact(res, r, _expected_held(zc, range(0, 1) if first else range(1, 2), first, not first,
                                             {2 * e, 2 * e + 1}))
@@ -320,7 +288,7 @@ def test_moe_ep2_pp2(ranks):
                                             ("moe_tp2_ep2_etp1", 1)])
 def test_moe_tp2_ep2(ranks, name, per_layer):
     zc = _zoo(True, qk_norm=True, layers=2)
-    for r, res in enumerate(_scenario(ranks, name)):
+    for r, res in enumerate(scenario(ranks, name)):
         e = r % 2 if name.endswith("etp1") else r // 2
         _check_exact(res, r, _expected_held(zc, range(0, 2), True, True, {2 * e, 2 * e + 1}))
         assert len(res["groups"]) == 4

@@ -25,10 +25,11 @@ def run_example(name: str, *args: str) -> dict:
     return json.loads(lines[0])  # --json: stdout is the JSON line and nothing else
 
 
-@pytest.mark.parametrize("mode", ["llm", "llm-non-blocking", "http"])
+@pytest.mark.parametrize("mode", ["llm-non-blocking", "http"])
 def test_vllm_trainer_api_example_into_a_real_engine_is_exact(mode: str) -> None:
-    """Through vLLM's own clients: the in-process ``LLM`` and ``HTTPVLLMWeightSyncClient`` against a vLLM server."""
-    steps = 3 if mode == "llm" else 2
+    """Through vLLM's own clients: the in-process ``LLM`` (non-blocking sends; the blocking path runs in the FSDP2
+    example) and ``HTTPVLLMWeightSyncClient`` against a vLLM server."""
+    steps = 3 if mode.startswith("llm") else 2
     r = run_example("vllm_trainer_api.py", "--steps", str(steps), "--verify", "--client", mode.split("-")[0],
                     *(["--async-sync"] if mode.endswith("non-blocking") else []))
     assert r["exact"] is True and r["tensors_compared"] > 0 and r["mismatched"] == []

@@ -6,8 +6,6 @@ really training between syncs. Non-blocking syncs under in-place weight changes.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from shardsync.sources.megatron_layout import MegatronConfig, MegatronParallel, held_hf_names
@@ -16,14 +14,10 @@ from shardsync.tools.localcluster import LocalCluster
 from shardsync.types import itemsize
 from shardsync.zoo import ZooConfig, hf_shapes
 
+from helpers import free_port
+
 GATHER_BUDGET = 600_000
 RECV_BUDGET = 3_000_000
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CASES = {
@@ -37,7 +31,7 @@ CASES = {
 def test_megatron_trainer_to_tp2_replica_exact_with_local_gathers_and_budgets(case: str) -> None:
     zc, par = CASES[case]
     n = par.get("tp", 1) * par.get("ep", 1) * par.get("pp", 1)
-    spec = {"kind": "megatron", "cfg": zc.__dict__, "par": par, "dist_port": _port()}
+    spec = {"kind": "megatron", "cfg": zc.__dict__, "par": par, "dist_port": free_port()}
     mcfg = MegatronConfig.like(zc, dtype=zc.ckpt_dtype)
     shapes = hf_shapes(zc)
     expect = []
@@ -78,7 +72,7 @@ def test_non_blocking_sync_serves_the_snapshot_while_training_changes_the_weight
     """``sync(v, block=False)`` returns after the lockstep gathers; the producers then change their weights (the
     next optimizer step) while consumers pull: every consumer still holds version v exactly."""
     zc, par = CASES["tp2xpp2-dense"]
-    spec = {"kind": "megatron", "cfg": zc.__dict__, "par": par, "dist_port": _port()}
+    spec = {"kind": "megatron", "cfg": zc.__dict__, "par": par, "dist_port": free_port()}
     with LocalCluster(zc, producers=4, replicas=1, tp=2, spec=spec, max_chunk_bytes=64 << 10, timeout_s=90) as cl:
         for v in (1, 2):
             r = cl.sync(v, faults={p: {"nonblocking": True} for p in range(4)})
@@ -94,7 +88,7 @@ def test_fsdp2_trainer_really_training_to_tp2_replica_exact_every_sync(tmp_path)
     per gather group per sync (every group on every rank: FSDP shards everything) and no more."""
     zc = ZooConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, inter=128, qk_norm=True,
                    dtype="float32", ckpt_dtype="float32")  # the reference trainer's tiny Qwen3, as zoo consumers
-    spec = {"kind": "fsdp", "arch": "qwen3", "dir": str(tmp_path), "dist_port": _port()}
+    spec = {"kind": "fsdp", "arch": "qwen3", "dir": str(tmp_path), "dist_port": free_port()}
     with LocalCluster(zc, producers=2, replicas=1, tp=2, spec=spec, max_chunk_bytes=64 << 10, timeout_s=90) as cl:
         prev = [0, 0]
         for v in (1, 2, 3):

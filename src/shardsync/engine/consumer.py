@@ -59,7 +59,8 @@ def _expect(reply: Any, cls: type, peer: str) -> Any:
 
 
 class Consumer:
-    def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, token: str, record: RecordFn, apply: ApplyFn,
+    def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, token: str, record: RecordFn,
+                 apply: ApplyFn,
                  transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
@@ -72,10 +73,10 @@ class Consumer:
         self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.recv_budget_bytes = recv_budget_bytes
+        """Receive memory cap: ``recv_slots`` is lowered to fit it (at least 2 slots of the largest group)."""
         self.parallel_producers = parallel_producers
         """False: one puller, group by group in transfer order, each group's producers one after the other (PP
         stages served serially; kept as the reference the benchmark compares against)."""
-        """Receive memory cap: ``recv_slots`` is lowered to fit it (at least 2 slots of the largest group)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
         self.stats: dict[str, Any] = {}
         self.version = 0

@@ -323,7 +323,8 @@ def _table(r: dict[str, Any], top: Topology) -> str:
         f"{'absolute SoL':<34}{_fmt_s(r['abs_sol_s']):>12}   {r['abs_sol_bottleneck']}",
         f"{'serial-PP SoL':<34}{_fmt_s(r['serial_pp_sol_s']):>12}   {r['serial_pp_bottleneck']}",
         f"{'serial-PP schedule':<34}{_fmt_s(r['predicted_s']):>12}   {r['predicted_bottleneck']}",
-        f"{'shardsync, parallel PP (' + str(r['parallel_pp_streams']) + ' streams)':<34}{_fmt_s(r['parallel_pp_s']):>12}   "
+        f"{'shardsync, parallel PP (' + str(r['parallel_pp_streams']) + ' streams)':<34}"
+        f"{_fmt_s(r['parallel_pp_s']):>12}   "
         f"{r['parallel_pp_bottleneck']}; {_fmt_b(r['parallel_pp_recv_bytes'])} receive buffers "
         f"(budget {_fmt_b(r['recv_budget_bytes'])})",
     ]

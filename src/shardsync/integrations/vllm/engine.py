@@ -85,6 +85,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     timeout_s: float = 120.0
     verify_checksums: bool = False
     """Pull mode: demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
+    recv_budget_bytes: int | None = None
+    """Pull mode: the most bytes this worker's receive buffers may take (at least two of its largest groups)."""
     inspect_to: str = ""
     """Only write what the engine holds now (every tensor, probe outputs) to
     ``{inspect_to}/inspect_rank{R}.safetensors`` and return: no plan, engine state untouched. Used to
@@ -190,7 +192,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
                                      apply=self._apply, transport=init_info.transport,
                                      transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
-                                     verify_checksums=init_info.verify_checksums)
+                                     verify_checksums=init_info.verify_checksums,
+                                     recv_budget_bytes=init_info.recv_budget_bytes)
             try:
                 self.plan = self.consumer.init()
             except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init

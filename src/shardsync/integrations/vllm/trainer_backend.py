@@ -62,6 +62,8 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     lease_s: float = 10.0
     gather_budget_bytes: int | None = None
     verify_checksums: bool = False
+    recv_budget_bytes: int | None = None
+    """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
     """Workers check their recorded plan against vLLM's loaders at init."""
     # accepted for drop-in compatibility with NCCLTrainerInitInfo; shardsync sizes its buffers from the plans
@@ -133,7 +135,7 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
             return engine
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
-                   "verify_checksums": init_info.verify_checksums}
+                   "verify_checksums": init_info.verify_checksums, "recv_budget_bytes": init_info.recv_budget_bytes}
         engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
                      what="the inference engines' init_weight_transfer_engine")
         return engine
