@@ -54,7 +54,8 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     """Shared secret of the transfer group (default: random, sent to the other trainer ranks via torch.distributed
     and to the workers in their init info)."""
     bind_host: str | None = None
-    """Interface to bind (default ``master_address`` on the sender, 127.0.0.1-or-master elsewhere)."""
+    """Interface to bind (default: ``master_address`` on the sender; elsewhere 127.0.0.1 when ``master_address``
+    is a loopback address, else 0.0.0.0, advertising this machine's address)."""
     transport: str = "tcp"
     lookahead: int = 1
     timeout_s: float = 120.0
@@ -111,8 +112,12 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
         rank = init_info.rank
         if not 0 <= rank < n_prod:
             raise ValueError(f"trainer rank {rank} outside 0..{n_prod - 1} (n_producers={n_prod})")
+        loopback = init_info.master_address in ("localhost", "::1") or init_info.master_address.startswith("127.")
+        # rank 0 binds the coordinator address; the others their whole machine (advertising its address) unless
+        # the group is on loopback
+        other = "127.0.0.1" if loopback else "0.0.0.0"
         cfg = ProducerConfig(rank=rank, n_producers=n_prod, n_consumers=init_info.world_size - 1, token="",
-                             host=init_info.bind_host or (init_info.master_address if rank == 0 else "127.0.0.1"),
+                             host=init_info.bind_host or (init_info.master_address if rank == 0 else other),
                              advertise_host=init_info.master_address if rank == 0 else None,
                              port=init_info.master_port if rank == 0 else 0, transport=init_info.transport,
                              lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
