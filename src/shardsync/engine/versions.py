@@ -9,7 +9,6 @@ lease_s, timeout_s), ``cv`` (the condition every state change notifies), ``versi
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,6 @@ class VersionState:
     members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
     ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
     packed: list[str] = field(default_factory=list)  # groups in the order they were packed
-    offered: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # consumer -> groups handed out
     pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
     dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
     dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
@@ -66,7 +64,6 @@ class ServedVersions:
                                               f"version {msg.version}: {st.dropped[msg.consumer]}")
                     g = msg.group or self._next_for(st, msg.consumer, digest)
                     if g and g in st.ready:
-                        st.offered[msg.consumer].add(g)
                         return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -75,9 +72,11 @@ class ServedVersions:
 
     @staticmethod
     def _next_for(st: VersionState, cid: str, digest: str) -> str:
-        """The first group packed for this consumer's plan that it has not been handed yet ("" if none yet)."""
+        """The first group packed for this consumer's plan that it has not released yet ("" if none is packed
+        yet). Idempotent: asked again before ``Released`` (a reply lost to a broken connection), it names the
+        same group."""
         for g in st.packed:
-            if digest in st.ready.get(g, {}) and g not in st.offered[cid]:
+            if digest in st.ready.get(g, {}) and cid in st.pending.get(g, ()):
                 return g
         return ""
 
