@@ -85,3 +85,21 @@ def scenario(ranks: list[dict], name: str) -> list[dict]:
         assert name in res, f"rank {r} did not reach scenario {name!r}: {res}"
         assert "error" not in res[name], f"rank {r}, scenario {name}:\n{res[name]['error']}"
     return [res[name] for res in ranks]
+
+
+def run_scenarios(scenarios, rank: int, outdir: str) -> None:
+    """Rank side of ``run_rank_scripts``: run ``(name, thunk)`` scenarios in order, stop at the first failure
+    (its traceback is the result; the peers then time out), write ``outdir/rank{R}.json``."""
+    import json
+    import os
+    import traceback
+
+    results = {}
+    for name, fn in scenarios:
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            break
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)

@@ -8,10 +8,7 @@ OUT``); each rank compares every yielded tensor with ``full_tensor()`` bit for b
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import traceback
 
 import pytest
 import torch
@@ -21,7 +18,7 @@ from shardsync.errors import MetadataMismatch
 from shardsync.source import gather_groups
 from shardsync.sources.fsdp import FSDPSource, strip_wrappers
 
-from helpers import run_rank_scripts, scenario
+from helpers import run_rank_scripts, run_scenarios, scenario
 
 WORLD = 2
 LAUNCH_TIMEOUT_S = 50
@@ -107,15 +104,8 @@ def _worker(rank: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
-    results = {}
-    for name, fn in [("fsdp", _scenario_fsdp), ("tp", _scenario_tp), ("mixed", _scenario_mixed)]:
-        try:
-            results[name] = fn(rank)
-        except Exception:                                        # reported by the test; peers then time out
-            results[name] = {"error": traceback.format_exc()}
-            break
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_scenarios([(name, lambda fn=fn: fn(rank)) for name, fn in
+                   [("fsdp", _scenario_fsdp), ("tp", _scenario_tp), ("mixed", _scenario_mixed)]], rank, outdir)
     dist.destroy_process_group()
 
 

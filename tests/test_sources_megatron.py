@@ -6,10 +6,7 @@ bit-exact HF tensors, one collective per held group, nothing gathered across PP 
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import sys
-import traceback
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ from shardsync.sources.megatron_layout import (Item, MegatronConfig, MegatronPar
                                                held_hf_names, local_shapes, megatron_to_hf, merge, padded_vocab, shard)
 from shardsync.zoo.models import ZooConfig, hf_state_dict
 
-from helpers import run_rank_scripts, scenario
+from helpers import run_rank_scripts, run_scenarios, scenario
 
 WORLD = 4
 LAUNCH_TIMEOUT_S = 55
@@ -239,15 +236,8 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             g = dist.new_group(ranks)
             if rank in ranks:
                 groups[key] = g
-    results = {}
-    for name, zc, par, tp_g, etp_g in _scenarios(rank, groups):
-        try:
-            results[name] = _run_scenario(zc, par, tp_g, etp_g)
-        except Exception:                                               # reported by the test; peers then time out
-            results[name] = {"error": traceback.format_exc()}
-            break
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_scenarios([(name, lambda a=(zc, par, tp_g, etp_g): _run_scenario(*a))
+                   for name, zc, par, tp_g, etp_g in _scenarios(rank, groups)], rank, outdir)
     dist.destroy_process_group()
 
 
