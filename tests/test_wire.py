@@ -327,3 +327,17 @@ def test_bind_all_interfaces_advertises_the_given_address_and_data_plane_uses_th
     _, errs = _sync(p, [z], 1)
     assert not errs and z.exact(1)
     _close(p, [z])
+
+
+def test_addresses_accept_host_port_strings_and_refuse_bad_ones_clearly() -> None:
+    from shardsync.engine.wire import parse_address
+    from shardsync.transport.tcp import advertised
+
+    assert parse_address("10.0.0.7:29600") == ["10.0.0.7", 29600]
+    assert parse_address("[::1]:80") == ["::1", 80] and parse_address(("h", "5")) == ["h", 5]
+    for bad in ("10.0.0.7", "h:port", ":5", ["h"], 29600, None):
+        with pytest.raises(ValueError, match="address"):
+            parse_address(bad)
+    assert advertised("0.0.0.0", "trainer-3") == "trainer-3"
+    assert advertised("10.1.2.3", None) == "10.1.2.3"
+    assert advertised("0.0.0.0", None) not in ("0.0.0.0", "")  # a wildcard bind never hands out 0.0.0.0
