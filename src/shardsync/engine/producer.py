@@ -369,9 +369,7 @@ class Producer(ServedVersions):
                 slot_of[g] = slot
             for n in ls.drop_after[b]:
                 kept.pop(n, None)
-        if next(it, None) is not None:
-            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded more gather groups than its "
-                                   f"groups() lists ({len(ls.batches)})")
+        self._no_more_batches(it)
         self._wait(lambda: all(not st.pending.get(g) for g in self.order),
                    lambda: f"every consumer to release version {version} (missing: "
                            f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
@@ -399,6 +397,11 @@ class Producer(ServedVersions):
             raise MetadataMismatch(f"producer {self.cfg.rank}: gather group {b} of the source is {list(names)[:3]}..., "
                                    f"groups() said {expect[:3]}... (iteration must follow groups())")
         return list(names), list(tensors)
+
+    def _no_more_batches(self, it: Any) -> None:
+        if next(it, None) is not None:
+            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded more gather groups than its "
+                                   f"groups() lists ({len(self.schedule.batches)})")
 
     def _pack(self, g: str, slot: int, full: dict[str, torch.Tensor], users: dict[str, set[str]],
               st: VersionState) -> int:

@@ -40,9 +40,7 @@ class Snapshot:
             kept = [t.detach().clone() if n in ls.keep[b] and t is not None else None for n, t in zip(names, tensors)]
             self.nbytes += sum(t.numel() * t.element_size() for t in kept if t is not None)
             self.batches.append((names, kept))
-        if next(it, None) is not None:
-            raise SyncError(f"producer {producer.cfg.rank}: the source yielded more gather groups than its groups() "
-                            f"lists ({len(ls.batches)})")
+        producer._no_more_batches(it)
 
     @staticmethod
     def cost(schedule: Any, nbytes: dict[str, int]) -> int:
