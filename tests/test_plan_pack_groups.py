@@ -112,3 +112,47 @@ def test_weight_group(name: str, group: str) -> None:
 def test_group_order() -> None:
     gs = ["post", "model.layers.10", "model.layers.2", "pre", "vision.layers.0"]
     assert group_order(gs) == ["pre", "model.layers.2", "model.layers.10", "vision.layers.0", "post"]
+
+
+def test_packer_and_unpacker_reuse_views_only_while_tensors_stay_the_same() -> None:
+    """Views are built once for tensors that stay the same objects (parameters, the ring): values written in
+    place between calls still flow; a tensor replaced by a new object (an FSDP gather) is picked up, and none
+    is kept alive by the cache."""
+    import gc
+    import weakref
+
+    import torch
+
+    from shardsync.plan.pack import GroupPacker, GroupUnpacker
+
+    cfg = ZooConfig.qwen3_moe_tiny()
+    full = {n: t.contiguous() for n, t in hf_state_dict(cfg, seed=1).items()}
+    m = ZooModel(cfg, tp_size=2, tp_rank=1, ep_size=2, ep_rank=1)
+    plan = record_plan(metadata=ModuleSource(full).metadata(), load_weights=m.load_weights,
+                       params=dict(m.named_parameters()), consumer="c")
+    g = plan.group("model.layers.0")
+    lay = layout_group(g)
+    pk, up = GroupPacker(g, lay), GroupUnpacker(g, lay)
+    ring = torch.zeros(lay.nbytes + 128, dtype=torch.uint8)
+    params = {n: p.detach() for n, p in m.named_parameters()}
+
+    def roundtrip(src: dict) -> dict:
+        pk.pack(src, ring[64: 64 + lay.nbytes])  # a new slice object each call, same bytes
+        up.unpack(ring[64: 64 + lay.nbytes], params)
+        ref = ZooModel(cfg, tp_size=2, tp_rank=1, ep_size=2, ep_rank=1)
+        ref.load_weights([(n, t) for n, t in src.items() if n.startswith("model.layers.0.")])
+        return {n: torch.equal(p, dict(ref.named_parameters())[n]) for n, p in params.items()
+                if n.startswith("model.layers.0.")}
+
+    assert all(roundtrip(full).values()) and all(roundtrip(full).values())  # second call: cached views
+    for t in full.values():
+        t.mul_(3).add_(1)  # in place: the cached views see it
+    assert all(roundtrip(full).values())
+    fresh = {n: t.clone() - 2 for n, t in full.items()}  # new objects: views rebuilt
+    assert all(roundtrip(fresh).values())
+    probe = weakref.ref(fresh[g.scatters[0].src])
+    del fresh
+    gc.collect()
+    assert probe() is None, "the view cache kept a gathered tensor alive"
+    params = {n: p.clone() for n, p in params.items()}  # new destination tensors: written, not the old ones
+    assert all(roundtrip(full).values())

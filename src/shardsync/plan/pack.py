@@ -13,6 +13,7 @@ same offsets and copies them into its parameters. Copies are batched with ``torc
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Hashable, Mapping
 
 import msgspec
@@ -156,11 +157,53 @@ def _packed_view(buf: torch.Tensor, off: int, s: Scatter) -> torch.Tensor:
     return buf[off: off + s.nbytes].view(dtype_of(s.dst_dtype)).view(s.shape)
 
 
+class _Stable:
+    """Views of tensors that stay the same objects from one call to the next, built once and replayed (rule 4:
+    nothing in the hot path re-derives what the plan knows). Tensors that are new every call (an FSDP
+    all-gather's output) are only ever weakly referenced, so no gathered tensor outlives its call."""
+
+    __slots__ = ("sig", "refs", "views")
+
+    def __init__(self) -> None:
+        self.sig: list | None = None
+        self.refs: list = []
+        self.views: object = None
+
+    def get(self, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
+        sig = [(id(t), t.data_ptr(), t.shape, t.stride()) for t in tensors]
+        same = sig == self.sig and all(r() is t for r, t in zip(self.refs, tensors))
+        if same and self.views is not None:
+            return self.views
+        views = build()
+        self.views = views if same else None  # cached from the second call on the same tensors
+        self.sig, self.refs = sig, [weakref.ref(t) for t in tensors]
+        return views
+
+
+class _Views:
+    """One ``_Stable`` per (chunk, buffer address and size, base): a ring or a receive pool is a few fixed buffers,
+    so views of the buffer are keyed by its address (a slice of it is a new tensor object every call)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple, _Stable] = {}
+
+    def get(self, key: tuple, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
+        st = self.by_key.get(key)
+        if st is None:
+            if len(self.by_key) >= 64:
+                self.by_key.clear()
+            st = self.by_key[key] = _Stable()
+        return st.get(tensors, build)
+
+
 class GroupPacker:
-    """Producer side of one group of one plan: replay + pack."""
+    """Producer side of one group of one plan: replay + pack. Views of tensors that stay the same between
+    calls (module parameters, the ring) are built once and reused."""
 
     def __init__(self, g: GroupPlan, layout: GroupLayout):
         self.g, self.layout = g, layout
+        self._views = _Views()
+        self._srcs = {c.index: list(dict.fromkeys(s.src for s in g.scatters[c.first:c.stop])) for c in layout.chunks}
 
     def pack(self, full: Mapping[str, torch.Tensor], buf: torch.Tensor, chunk: Chunk | None = None,
              *, base: int = 0) -> None:
@@ -168,23 +211,33 @@ class GroupPacker:
         ``base`` (so a chunk-sized buffer takes ``base=chunk.start``)."""
         chunks = self.layout.chunks if chunk is None else (chunk,)
         for c in chunks:
-            dsts, srcs = [], []
-            for i in range(c.first, c.stop):
-                s = self.g.scatters[i]
-                t = full.get(s.src)
+            tensors = []
+            for n in self._srcs[c.index]:
+                t = full.get(n)
                 if t is None:
-                    raise SyncError(f"group {self.g.name!r}: full tensor {s.src!r} missing on the producer")
-                dsts.append(_packed_view(buf, self.layout.offsets[i] - base, s))
-                srcs.append(replay(s, t))
+                    raise SyncError(f"group {self.g.name!r}: full tensor {n!r} missing on the producer")
+                tensors.append(t)
+            dsts, srcs = self._views.get((c.index, buf.data_ptr(), buf.numel(), base), tensors,
+                                         lambda c=c: self._build(full, buf, c, base))  # type: ignore[misc]
             if dsts:
                 torch._foreach_copy_(dsts, srcs)
 
+    def _build(self, full: Mapping[str, torch.Tensor], buf: torch.Tensor, c: Chunk, base: int) -> tuple[list, list]:
+        idx = range(c.first, c.stop)
+        return ([_packed_view(buf, self.layout.offsets[i] - base, self.g.scatters[i]) for i in idx],
+                [replay(self.g.scatters[i], full[self.g.scatters[i].src]) for i in idx])
+
 
 class GroupUnpacker:
-    """Consumer side of one group of one plan: unpack + scatter into the parameters."""
+    """Consumer side of one group of one plan: unpack + scatter into the parameters. The copy program of a
+    chunk (views of the buffer and of the parameters, fills in between) is built once per buffer and reused
+    while the parameters stay the same tensors."""
 
     def __init__(self, g: GroupPlan, layout: GroupLayout):
         self.g, self.layout = g, layout
+        self._views = _Views()
+        self._dsts = {c.index: list(dict.fromkeys(s.dst for s in g.scatters[c.first:c.stop]))
+                      + [f.dst for f in g.fills if c.first <= f.pos <= c.stop] for c in layout.chunks}
 
     def unpack(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
                *, base: int = 0) -> None:
@@ -196,23 +249,35 @@ class GroupUnpacker:
             if not chunks and self.g.fills:  # a group made of fills only
                 self._fill(params, 0, n + 1)
             for c in chunks:
-                dsts, srcs = [], []
-                for i in range(c.first, c.stop):
-                    if self.g.fills and any(f.pos == i for f in self.g.fills):
-                        self._flush(dsts, srcs)
-                        self._fill(params, i, i + 1)
-                    s = self.g.scatters[i]
-                    dsts.append(dst_view(_param(params, s.dst, self.g.name), s))
-                    srcs.append(_packed_view(buf, self.layout.offsets[i] - base, s))
-                self._flush(dsts, srcs)
-                if c.stop == n:
-                    self._fill(params, n, n + 1)
+                tensors = [_param(params, d, self.g.name) for d in self._dsts[c.index]]
+                steps = self._views.get((c.index, buf.data_ptr(), buf.numel(), base), tensors,
+                                        lambda c=c: self._program(buf, params, c, base))
+                for dsts, srcs, fills in steps:  # type: ignore[attr-defined]
+                    for v, value in fills:
+                        v.fill_(value)
+                    if dsts:
+                        torch._foreach_copy_(dsts, srcs)
 
-    @staticmethod
-    def _flush(dsts: list, srcs: list) -> None:
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-            dsts.clear(), srcs.clear()
+    def _program(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], c: Chunk, base: int) -> list:
+        """[(dsts, srcs, fills before them)], the fills at their recorded positions."""
+        n = len(self.g.scatters)
+        steps: list = []
+        dsts: list = []
+        srcs: list = []
+        for i in range(c.first, c.stop):
+            fills = [f for f in self.g.fills if f.pos == i]
+            if fills:
+                steps.append((dsts, srcs, []))
+                dsts, srcs = [], []
+                steps.append(([], [], [(dst_view(_param(params, f.dst, self.g.name), f), f.value) for f in fills]))
+            s = self.g.scatters[i]
+            dsts.append(dst_view(_param(params, s.dst, self.g.name), s))
+            srcs.append(_packed_view(buf, self.layout.offsets[i] - base, s))
+        steps.append((dsts, srcs, []))
+        if c.stop == n:
+            steps.append(([], [], [(dst_view(_param(params, f.dst, self.g.name), f), f.value)
+                                   for f in self.g.fills if f.pos == n]))
+        return steps
 
     def _fill(self, params: Mapping[str, torch.Tensor], lo: int, hi: int) -> None:
         for f in self.g.fills:
