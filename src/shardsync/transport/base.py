@@ -24,6 +24,7 @@ peer and the range, never as a hang::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any, Protocol, runtime_checkable
@@ -65,6 +66,7 @@ TRANSPORTS = {
     "torch": ("shardsync.transport.torchdist", "TorchDistTransport"),
     "nixl": ("shardsync.transport.nixl", "NixlTransport"),
     "cuda_ipc": ("shardsync.transport.cuda_ipc", "CudaIpcTransport"),
+    "nccl": ("shardsync.transport.nccl", "NcclTransport"),
 }
 
 
@@ -83,3 +85,17 @@ def check_range(buf_nbytes: int, offset: int, nbytes: int, into: torch.Tensor, p
         raise TransportError(f"read [{offset}, {offset + nbytes}) is outside {peer}'s buffer of {buf_nbytes} bytes")
     if into.dtype != torch.uint8 or into.numel() < nbytes or not into.is_contiguous():
         raise TransportError(f"read destination must be a contiguous uint8 tensor of >= {nbytes} bytes")
+
+
+def wait_event(ev: Any, *, timeout_s: float, what: str) -> None:
+    """Poll a CUDA event until it has completed (spinning briefly, then sleeping), bounded by ``timeout_s``:
+    the host waits for one stream's work, never for the whole device."""
+    from ..errors import TransportError
+
+    deadline = time.monotonic() + timeout_s
+    spins = 0
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise TransportError(f"{what} did not complete on the GPU within {timeout_s} s")
+        spins += 1
+        time.sleep(0 if spins < 2000 else 0.0001)

@@ -13,13 +13,14 @@ mapped allocation gives no signal of its own::
 from __future__ import annotations
 
 import base64
-import time
+import socket
+import threading
 from typing import Any
 
 import torch
 
 from ..errors import TransportError
-from .base import Caps, check_range
+from .base import Caps, check_range, wait_event
 
 
 def _b(x: bytes | None) -> str | None:
@@ -37,6 +38,7 @@ class CudaIpcTransport:
     def __init__(self) -> None:
         self._keep: list[torch.Tensor] = []
         self._peers: dict[int, torch.Tensor] = {}
+        self._local = threading.local()
 
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
         if not buf.is_cuda or buf.dtype != torch.uint8 or not buf.is_contiguous():
@@ -46,9 +48,13 @@ class CudaIpcTransport:
         self._keep.append(buf)
         return {"device": int(device), "handle": _b(handle), "size": int(size), "offset": int(offset),
                 "rc_handle": _b(rc_handle), "rc_offset": int(rc_offset), "ev_handle": _b(ev_handle),
-                "ev_sync": bool(ev_sync), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel()}
+                "ev_sync": bool(ev_sync), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel(),
+                "node": socket.gethostname()}
 
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
+        if desc.get("node", socket.gethostname()) != socket.gethostname():
+            raise TransportError(f"cuda_ipc: producer {producer} is on node {desc['node']!r}, this consumer on "
+                                 f"{socket.gethostname()!r}: CUDA IPC works within one node (use nixl or nccl)")
         try:
             torch.cuda._lazy_init()
             storage = torch.UntypedStorage._new_shared_cuda(
@@ -67,15 +73,24 @@ class CudaIpcTransport:
         check_range(remote.numel(), offset, nbytes, into, f"producer {producer}")
         if nbytes == 0:
             return
-        into[:nbytes].copy_(remote[offset: offset + nbytes], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(into.device))
-        deadline = time.monotonic() + timeout_s
-        while not ev.query():
-            if time.monotonic() > deadline:
-                raise TransportError(f"cuda_ipc: read [{offset}, {offset + nbytes}) from producer {producer} did "
-                                     f"not complete within {timeout_s} s")
-            time.sleep(0)
+        src_s, dst_s = self._streams(remote.device, into.device)
+        with torch.cuda.stream(src_s), torch.cuda.stream(dst_s):  # a peer copy runs on the source's stream
+            into[:nbytes].copy_(remote[offset: offset + nbytes], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(dst_s)
+        wait_event(ev, timeout_s=timeout_s, what=f"cuda_ipc: read [{offset}, {offset + nbytes}) from producer {producer}")
+
+    def _streams(self, src: torch.device, dst: torch.device) -> tuple[Any, Any]:
+        """This thread's copy streams (one puller thread per producer copies concurrently with the others and
+        with the engine's apply stream, instead of queueing behind them on the default stream)."""
+        key = (src.index, dst.index)
+        mine = getattr(self._local, "streams", None)
+        if mine is None:
+            mine = self._local.streams = {}
+        if key not in mine:
+            s = torch.cuda.Stream(src)
+            mine[key] = (s, s if src == dst else torch.cuda.Stream(dst))
+        return mine[key]
 
     def close(self) -> None:
         self._peers.clear()
