@@ -14,10 +14,13 @@ from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 CFG = ZooConfig.qwen3_moe_tiny(layers=4)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "nccl:gloo"])
 def test_two_producers_two_replicas_tp2_three_syncs_bit_exact(transport: str) -> None:
-    with LocalCluster(CFG, producers=2, replicas=2, tp=2, transport=transport, lookahead=1,
-                      max_chunk_bytes=64 << 10, timeout_s=60) as cl:
+    """``nccl:gloo``: the nccl transport's pair groups (one per producer-consumer pair) over gloo on CPU."""
+    name, _, backend = transport.partition(":")
+    extra = {"transport_kwargs": {"backend": backend}} if backend else {}
+    with LocalCluster(CFG, producers=2, replicas=2, tp=2, transport=name, lookahead=1,
+                      max_chunk_bytes=64 << 10, timeout_s=60, producer_extra=extra, consumer_extra=extra) as cl:
         for v in (1, 2, 3):
             r = cl.sync(v)
             assert r["exact"], [c["mismatched"][:3] for c in r["consumers"]]

@@ -40,6 +40,7 @@ import torch
 
 from . import control as m
 from .heartbeat import Heartbeat
+from .lanes import Lane
 from .recvslots import RecvSlots
 from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
@@ -64,11 +65,12 @@ class Consumer:
                  transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
-                 verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME):
+                 verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
+                 device: str | None = None):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
-        if transport == "tcp":
+        if transport in ("tcp", "nccl"):
             kw.setdefault("token", token)  # the data plane is authenticated with the group's token too
         self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
@@ -78,6 +80,14 @@ class Consumer:
         """False: one puller, group by group in transfer order, each group's producers one after the other (PP
         stages served serially; kept as the reference the benchmark compares against)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
+        self.lane = Lane(device)
+        """Where the receive slots live and ``apply`` runs (``"cuda:1"``; None: CPU). On a GPU the slots are
+        allocated there once (``stats["recv_bytes"]``: subtract it from ``gpu_memory_utilization``), transfers land
+        on the transport's own streams, and ``apply`` runs on a side stream whose work is waited for (an event, not
+        a device synchronize) before its slot is reused."""
+        if self.lane.cuda and not self.transport.caps.gpu:
+            raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
+                            f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
         self.stats: dict[str, Any] = {}
         self.version = 0
         """The last version this consumer completed."""
@@ -112,7 +122,7 @@ class Consumer:
                 if n < 2:
                     raise SyncError(f"consumer {self.id}: recv_budget_bytes={self.recv_budget_bytes} holds fewer than "
                                     f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
-            self.slots = [torch.empty(slot, dtype=torch.uint8) for _ in range(n)]
+            self.slots = [torch.empty(slot, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
             routes = _expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
                                                             plan=self.plan.to_json()),
                                              timeout_s=self.init_timeout_s + 5), m.Routes, peer)
@@ -199,7 +209,9 @@ class Consumer:
                     if not errors:
                         ta = time.perf_counter()
                         applied_any[0] = True
-                        self.apply(g, self.slots[slots.slot[g]])
+                        with self.lane:
+                            self.apply(g, self.slots[slots.slot[g]])
+                        self.lane.fence(timeout_s=self.timeout_s, what=f"consumer {self.id}: applying group {g!r}")
                         applied[0] += time.perf_counter() - ta
                 except BaseException as e:  # surfaces in the calling thread
                     errors.append(e)

@@ -44,6 +44,7 @@ import torch
 from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
+from .lanes import Lane
 from .schedule import lockstep
 from .snapshot import PendingSync, Snapshot
 from .versions import ServedVersions, VersionState
@@ -87,6 +88,11 @@ class ProducerConfig:
     verify_checksums: bool = False
     """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    device: str | None = None
+    """Where the ring lives and packing runs (``"cuda:0"``; None: CPU memory). With a GPU the ring is allocated
+    there once (``stats["ring_bytes"]``: subtract it from what the trainer may use), replay + pack run on a side
+    stream after the stream that wrote the weights, and a group is announced once its pack has run; the transport
+    must move GPU memory (``cuda_ipc``, ``nccl``, ``nixl``)."""
     gather_budget_bytes: int | None = None
     """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
     the source's largest gather group (plus what must be carried across groups) does not fit."""
@@ -125,12 +131,16 @@ class Producer(ServedVersions):
         self.heartbeat: Heartbeat | None = None
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
+        self.lane = Lane(cfg.device)
+        if self.lane.cuda and not self.transport.caps.gpu:
+            raise SyncError(f"producer {cfg.rank}: transport {self.transport.name!r} cannot move GPU memory (ring on "
+                            f"{cfg.device}); use cuda_ipc, nccl or nixl")
 
     def _make_transport(self) -> Transport:
-        """The data plane; the tcp transport binds where the control plane does, advertises the same address and
-        checks the group's token (unless ``transport_kwargs`` say otherwise)."""
+        """The data plane; the tcp and nccl transports bind where the control plane does, advertise the same address
+        and check the group's token (unless ``transport_kwargs`` say otherwise)."""
         kw = dict(self.cfg.transport_kwargs)
-        if self.cfg.transport == "tcp":
+        if self.cfg.transport in ("tcp", "nccl"):
             kw.setdefault("token", self.cfg.token)
             kw.setdefault("host", self.cfg.host)
             kw.setdefault("advertise_host", self.cfg.advertise_host)
@@ -239,7 +249,7 @@ class Producer(ServedVersions):
                 self.transport.close()
                 self.transport = self._make_transport()
             self.slot_bytes = slot
-            self.ring = torch.zeros(self.n_slots * slot, dtype=torch.uint8)
+            self.ring = torch.zeros(self.n_slots * slot, dtype=torch.uint8, device=self.lane.device)
             self.desc = self.transport.register(self.ring)
         self.epoch = asg.epoch
         self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
@@ -412,10 +422,14 @@ class Producer(ServedVersions):
         with self.cv:
             live = {d: cs - st.dropped.keys() for d, cs in users.items()}
         units = self.units[g]
+        with self.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
+            for u in units:
+                c = u.chunk
+                u.packer.pack(full, self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
+        self.lane.fence(timeout_s=self.cfg.timeout_s, what=f"producer {self.cfg.rank}: packing group {g!r}")
         for u in units:
             c = u.chunk
             region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-            u.packer.pack(full, region, c, base=c.start)
             ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
                                     if self.cfg.verify_checksums else -1])
             sent += c.nbytes * len(live.get(u.digest, ()))

@@ -70,9 +70,12 @@ def recv_frame(sock: socket.socket, *, max_frame_bytes: int) -> bytes:
 
 
 def chunk_checksum(data) -> int:
-    """xxh3-64 of a contiguous uint8 CPU tensor: what a producer sends with a chunk and a consumer recomputes."""
+    """xxh3-64 of a contiguous uint8 tensor: what a producer sends with a chunk and a consumer recomputes (a GPU
+    chunk is copied to the host for it: checksums cost a device-to-host copy of every byte)."""
     import xxhash
 
+    if data.device.type != "cpu":
+        data = data.cpu()
     return xxhash.xxh3_64_intdigest(memoryview(data.numpy()))
 
 
