@@ -43,6 +43,7 @@ _REQ = struct.Struct("!QQ")
 _OK, _ERR = b"K", b"E"
 _KEY = 32
 _TAG = 0
+_WATCHDOG_S = 6 * 3600
 log = logging.getLogger("shardsync.transport.nccl")
 
 
@@ -56,7 +57,7 @@ def _pair_group(backend: str, store: Any, key: str, rank: int, timeout_s: float)
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise TransportError("nccl transport: this torch has no NCCL (a CPU build?); use backend='gloo' or tcp")
     opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timedelta(seconds=timeout_s)
+    opts._timeout = timedelta(seconds=_WATCHDOG_S)  # our own polls time reads out; the watchdog must not kill us
     return dist.ProcessGroupNCCL(st, rank, 2, opts)
 
 
