@@ -148,7 +148,7 @@ def producer_proc(rank: int, n: int, args, q_in, q_out, bcast_world: bool) -> No
                 reseed(cmd[1])
                 q_out.put(("reseeded", rank))
             elif kind == "sync":
-                r = prod.sync(cmd[1])
+                r = profiled(args, f"producer{rank}", prod.sync, cmd[1])
                 q_out.put(("synced", rank, {k: r[k] for k in ("seconds", "bytes_sent", "max_resident")}))
             elif kind == "close":
                 prod.close()
@@ -175,6 +175,21 @@ def producer_proc(rank: int, n: int, args, q_in, q_out, bcast_world: bool) -> No
                 q_out.put(("bcast", rank, {"seconds": time.perf_counter() - t0}))
     except BaseException as e:
         q_out.put(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+
+
+def profiled(args, who: str, fn, *a):
+    """``--profile``: cProfile of the calling thread (the producer's gather/pack loop, the consumer's sync)."""
+    if not getattr(args, "profile", False):
+        return fn(*a)
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    r = pr.runcall(fn, *a)
+    with open(os.path.join(args.out, f"profile-{who}.txt"), "a") as f:
+        f.write(f"\n==== {who} sync {a} {r.get('seconds', 0):.4f} s\n")
+        pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(18)
+    return r
 
 
 def buckets(metas, cap):
@@ -243,7 +258,7 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
                             s.fill_(float("nan"))
                 q_out.put(("poisoned", cid))
             elif kind == "sync":
-                r = cons.sync(cmd[1])
+                r = profiled(args, cid, cons.sync, cmd[1])
                 q_out.put(("synced", cid, {k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used",
                                                              "recv_bytes")}))
             elif kind == "check":
@@ -329,13 +344,13 @@ def check(cfg, metas, tp, rank, params, proc, dev, seed: int) -> dict:
     ref_params = {n: p.detach() for n, p in ref.named_parameters()}
     bad, compared = [], 0
 
-    def full(prefix: str) -> list:
+    def full(keep) -> list:  # one layer (or the few non-layer tensors) at a time: GPU memory
         return [(m.name, fill(torch.empty(m.shape, dtype=torch.bfloat16, device=dev), m.name, seed))
-                for m in metas if m.name.startswith(prefix)]
+                for m in metas if keep(m.name)]
 
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
-        ref.load_weights([(n.replace(p, "model.layers.0."), t) for n, t in full(p)])
+        ref.load_weights([(n.replace(p, "model.layers.0."), t) for n, t in full(lambda n, p=p: n.startswith(p))])
         for n, t in ref_params.items():
             if not n.startswith("model.layers.0."):
                 continue
@@ -350,7 +365,7 @@ def check(cfg, metas, tp, rank, params, proc, dev, seed: int) -> dict:
                     compared += 1
                     if not (same_bytes(rq, q) and same_bytes(rs, s)):
                         bad.append(ln + " (fp8)")
-    ref.load_weights([(n, t) for n, t in full("") if not n.startswith("model.layers.")])
+    ref.load_weights(full(lambda n: not n.startswith("model.layers.")))
     for n in ref_params:
         if not n.startswith("model.layers."):
             compared += 1
@@ -473,6 +488,7 @@ def main() -> None:
     ap.add_argument("--transports", default="", help="comma list (default: cuda_ipc,nccl[,nixl] on GPUs; "
                                                      "tcp,nccl:gloo on CPU)")
     ap.add_argument("--scenarios", default="ABC")
+    ap.add_argument("--profile", action="store_true", help="cProfile every sync into OUT/profile-*.txt")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
