@@ -8,10 +8,11 @@ The consumer's half of the schedule:
    current address and transport descriptor of the producers it pulls from (a restarted producer is
    reconnected here).
 3. One puller thread per producer, all at once (every PP stage, every EP rank concurrently): each asks
-   its producer for "the next group you have for me" (producers pack in transfer order), reads that
-   group's chunks into the group's receive slot (``engine/recvslots.py``: ``recv_slots`` buffers of the
+   its producer for "the next group you have for me" (producers pack in transfer order) — and, while it
+   reads that group, already for the one after it — reads the group's chunks into the group's receive slot (``engine/recvslots.py``: ``recv_slots`` buffers of the
    largest group's size, allocated once — the receive-memory budget; its rules say why this cannot
-   deadlock) and sends ``Released`` right after the bytes have landed.
+   deadlock) and sends ``Released`` (on a connection of its own, in the background) right after the bytes
+   have landed.
 4. A group whose every producer's part has landed goes to the apply thread (unpack → scatter into the
    engine's buffers → the engine's per-layer processing), which overlaps the pulls; its slot is reused
    once it has been applied. Groups may complete out of transfer order (PP stages in parallel).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
@@ -96,6 +98,7 @@ class Consumer:
         self.rejoins = 0
         self.heartbeat: Heartbeat | None = None
         self.clients: dict[int, m.ControlClient] = {}
+        self.rclients: dict[int, m.ControlClient] = {}  # releases: a second connection per producer
         self.peers: dict[int, tuple[int, Any]] = {}  # producer -> (incarnation, desc) connected
         self._lock = threading.Lock()  # session changes (rejoin) vs. a sync reading it
         self._apply_thread: threading.Thread | None = None
@@ -227,16 +230,35 @@ class Consumer:
             if done:
                 work.put(g)
 
-        def puller(p: int) -> None:  # rule 3: one per producer, all at once
+        def puller(p: int) -> None:  # rule 3: one per producer, all at once, pipelined
+            todo = serving[p]
+            ask = ThreadPoolExecutor(1, thread_name_prefix=f"shardsync-ask-{self.id}-p{p}")
+            rel = ThreadPoolExecutor(1, thread_name_prefix=f"shardsync-release-{self.id}-p{p}")
+            bound = self.timeout_s + self.lease_s + 5
             try:
-                for _ in serving[p]:
+                fut = ask.submit(self._wait_ready, p, version, session, todo, failing)
+                releases: list[Future] = []
+                for k in range(len(todo)):
+                    ready = fut.result(timeout=bound)
                     if failing.is_set():
                         return
-                    landed(p, *self._pull_next(p, version, session, serving[p], slots, failing))
+                    if k + 1 < len(todo):  # ask for the next group while this one is read
+                        fut = ask.submit(self._wait_ready, p, version, session, todo, failing, after=ready.group)
+                    got = self._read(p, version, ready, slots, failing)
+                    releases.append(rel.submit(self._release, p, version, session, ready.group))
+                    landed(p, ready.group, got)
+                    for r in releases:
+                        if r.done():
+                            r.result()  # a failed release surfaces now
+                for r in releases:
+                    r.result(timeout=bound)
             except BaseException as e:
                 errors.append(e)
                 failing.set()
                 slots.wake()
+            finally:
+                ask.shutdown(wait=False, cancel_futures=True)
+                rel.shutdown(wait=False, cancel_futures=True)
 
         def serial() -> None:  # parallel_producers=False: group by group, producer by producer
             try:
@@ -279,12 +301,14 @@ class Consumer:
             p, inc, desc = int(info["rank"]), int(info["incarnation"]), info["desc"]
             if self.peers.get(p) == (inc, desc):
                 continue
-            old = self.clients.pop(p, None)
-            if old is not None:
-                old.close()
+            for old in (self.clients.pop(p, None), self.rclients.pop(p, None)):
+                if old is not None:
+                    old.close()
             try:
                 self.clients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
                                                   connect_timeout_s=self.lease_s)
+                self.rclients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
+                                                   connect_timeout_s=self.lease_s)
                 self.transport.connect(p, desc)
             except TransportError as e:
                 raise self._lost(p, -1, "", e) from None
@@ -307,8 +331,16 @@ class Consumer:
 
     def _pull_next(self, p: int, version: int, session: str, expect: list[str], slots: RecvSlots,
                    failing: threading.Event, group: str = "") -> tuple[str, int]:
-        """Ask producer ``p`` for the next group it has for us (or for ``group``), read its chunks into the group's
-        slot, release."""
+        """Ask producer ``p`` for the next group it has for us (or for ``group``), read it, release it."""
+        ready = self._wait_ready(p, version, session, expect, failing, group=group)
+        got = self._read(p, version, ready, slots, failing)
+        self._release(p, version, session, ready.group)
+        return ready.group, got
+
+    def _wait_ready(self, p: int, version: int, session: str, expect: list[str], failing: threading.Event, *,
+                    group: str = "", after: str = "") -> m.Ready:
+        """The ``Ready`` of ``group``, or of the next group producer ``p`` has packed for us (after ``after``),
+        checked against the routes."""
         deadline = time.monotonic() + self.timeout_s
         while True:  # short polls: a stopped producer is noticed within the lease, a slow one waited for
             self._check_peers(p, version, "")
@@ -316,7 +348,7 @@ class Consumer:
                 raise SyncError(f"consumer {self.id}: version {version} is failing (another puller or the apply)")
             try:
                 ready = self.clients[p].call(m.WaitReady(consumer=self.id, session=session, version=version,
-                                                         group=group), timeout_s=self.lease_s + 1)
+                                                         group=group, after=after), timeout_s=self.lease_s + 1)
             except TransportError as e:
                 raise self._lost(p, version, "", e) from None
             if not isinstance(ready, m.Pending):
@@ -327,15 +359,18 @@ class Consumer:
         ready = _expect(ready, m.Ready, f"producer {p}")
         if group and ready.group != group:
             raise SyncError(f"consumer {self.id}: producer {p} answered for group {ready.group!r}, asked for {group!r}")
-        group = ready.group
-        if ready.version != version or group not in expect:
-            raise SyncError(f"consumer {self.id}: producer {p} offered group {group!r} of version {ready.version}; "
-                            f"routes say it serves {expect[:3]}... of version {version}")
-        lay, per_chunk = self.layouts[group], self.routes[group]
-        mine = {i for i, q in enumerate(per_chunk) if q == p}
+        if ready.version != version or ready.group not in expect:
+            raise SyncError(f"consumer {self.id}: producer {p} offered group {ready.group!r} of version "
+                            f"{ready.version}; routes say it serves {expect[:3]}... of version {version}")
+        mine = {i for i, q in enumerate(self.routes[ready.group]) if q == p}
         if {c[0] for c in ready.chunks} != mine:
             raise SyncError(f"consumer {self.id}: producer {p} offers chunks {sorted(c[0] for c in ready.chunks)} "
-                            f"of group {group!r}, routes say {sorted(mine)}")
+                            f"of group {ready.group!r}, routes say {sorted(mine)}")
+        return ready
+
+    def _read(self, p: int, version: int, ready: m.Ready, slots: RecvSlots, failing: threading.Event) -> int:
+        """Read producer ``p``'s chunks of ``ready.group`` into the group's receive slot; returns the bytes."""
+        group, lay = ready.group, self.layouts[ready.group]
         buf = self.slots[slots.acquire(group, timeout_s=self.timeout_s, abort=failing,
                                        what=f"group {group!r} of version {version}")]
         got = 0
@@ -350,12 +385,14 @@ class Consumer:
                 raise self._lost(p, version, group, e) from None
             self._verify(dst, checksum, p, group, ci, version)
             got += n
-        try:
-            self.clients[p].call(m.Released(consumer=self.id, session=session, version=version, group=group),
-                                 timeout_s=self.lease_s + 1)
+        return got
+
+    def _release(self, p: int, version: int, session: str, group: str) -> None:
+        try:  # its own connection: a release never queues behind a WaitReady the producer is holding
+            self.rclients[p].call(m.Released(consumer=self.id, session=session, version=version, group=group),
+                                  timeout_s=self.lease_s + 1)
         except TransportError as e:
             raise self._lost(p, version, group, e) from None
-        return group, got
 
     def _verify(self, data: torch.Tensor, checksum: int, p: int, group: str, chunk: int, version: int) -> None:
         if checksum < 0:
@@ -376,7 +413,7 @@ class Consumer:
                 pass
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        for c in self.clients.values():
+        for c in [*self.clients.values(), *self.rclients.values()]:
             c.close()
         if hasattr(self, "coord"):
             self.coord.close()

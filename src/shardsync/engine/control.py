@@ -176,6 +176,10 @@ class WaitReady(_M):
     session: str
     version: int
     group: str
+    """A given group ("" = the next one this producer has packed for the consumer and it has not released)."""
+    after: str = ""
+    """With ``group=""``: the next such group packed after this one (a consumer asks for group g+1 while it still
+    reads g). Idempotent: asked again with the same ``after``, the answer is the same group."""
 
 
 class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)

@@ -62,7 +62,7 @@ class ServedVersions:
                     if msg.consumer in st.dropped:
                         raise ConsumerDropped(f"producer {self.cfg.rank}: consumer {msg.consumer!r} was dropped from "
                                               f"version {msg.version}: {st.dropped[msg.consumer]}")
-                    g = msg.group or self._next_for(st, msg.consumer, digest)
+                    g = msg.group or self._next_for(st, msg.consumer, digest, msg.after)
                     if g and g in st.ready:
                         return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
                 left = deadline - time.monotonic()
@@ -71,11 +71,17 @@ class ServedVersions:
                 self.cv.wait(left)
 
     @staticmethod
-    def _next_for(st: VersionState, cid: str, digest: str) -> str:
-        """The first group packed for this consumer's plan that it has not released yet ("" if none is packed
-        yet). Idempotent: asked again before ``Released`` (a reply lost to a broken connection), it names the
-        same group."""
-        for g in st.packed:
+    def _next_for(st: VersionState, cid: str, digest: str, after: str = "") -> str:
+        """The first group packed for this consumer's plan, after group ``after`` if given, that it has not
+        released yet ("" if none is packed yet). Idempotent: asked again before ``Released`` (a reply lost to a
+        broken connection), it names the same group."""
+        start = 0
+        if after:
+            if after not in st.packed:
+                raise SyncError(f"consumer {cid!r} asked for the group after {after!r}, which this producer has "
+                                "not packed in this version")
+            start = st.packed.index(after) + 1
+        for g in st.packed[start:]:
             if digest in st.ready.get(g, {}) and cid in st.pending.get(g, ()):
                 return g
         return ""
