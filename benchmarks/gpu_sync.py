@@ -260,7 +260,7 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
             elif kind == "sync":
                 r = profiled(args, cid, cons.sync, cmd[1])
                 q_out.put(("synced", cid, {k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used",
-                                                             "recv_bytes")}))
+                                                             "recv_bytes", "transports")}))
             elif kind == "check":
                 q_out.put(("checked", cid, check(cfg, metas, tp, rank, params, proc, dev, cmd[1])))
             elif kind == "close":
@@ -436,25 +436,27 @@ class Group:
         return max(x["seconds"] for x in r.values()), r
 
     def run_engine(self, transport: str, iters: int, v0: int) -> dict:
-        """Warm-up + ``iters`` timed syncs; then new weights, poisoned consumers, one more sync, byte check."""
+        """Two warm-up syncs (the first builds the views) + ``iters`` timed syncs; then new weights, poisoned
+        consumers, one more sync, byte check."""
         ready = self.setup(transport)
         self.send(self.producers, "reseed", 1)
         self.expect("reseeded", set(self.producers))
-        self.sync(v0)
+        cold, _ = self.sync(v0)  # builds the packers' and unpackers' views (kept from the second sync on)
+        self.sync(v0 + 1)
         times, last = [], {}
         for i in range(iters):
-            t, last = self.sync(v0 + 1 + i)
+            t, last = self.sync(v0 + 2 + i)
             times.append(t)
         self.send(self.producers, "reseed", 2)
         self.expect("reseeded", set(self.producers))
         self.send(self.consumers, "poison")
         self.expect("poisoned", set(self.consumers))
-        self.sync(v0 + 1 + iters)
+        self.sync(v0 + 2 + iters)
         self.send(self.consumers, "check", 2)
         checked = self.expect("checked", set(self.consumers), 1800)
         self.send(self.producers + self.consumers, "close")
         self.expect("closed", set(self.producers) | set(self.consumers))
-        return {"seconds": statistics.median(times), "all_s": [round(t, 4) for t in times],
+        return {"seconds": statistics.median(times), "all_s": [round(t, 4) for t in times], "first_sync_s": cold,
                 "exact": all(c["exact"] for c in checked.values()), "checked": checked,
                 "ready": {str(k): v for k, v in ready.items()}, "last": {str(k): v for k, v in last.items()}}
 

@@ -20,9 +20,9 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 def _transports() -> list[str]:
     try:
         import nixl  # noqa: F401
-        return ["cuda_ipc", "nccl", "nixl"]
+        return ["cuda_ipc", "nccl", "nixl", "auto"]
     except ImportError:
-        return ["cuda_ipc", "nccl"]
+        return ["cuda_ipc", "nccl", "auto"]
 
 
 @pytest.mark.parametrize("transport", _transports())
@@ -43,6 +43,8 @@ def test_two_producers_to_a_tp2_replica_on_gpus_exact(transport: str) -> None:
     got = [c["bytes_received"] for c in r["last"].values() if "bytes_received" in c]
     sent = [p["bytes_sent"] for p in r["last"].values() if "bytes_sent" in p]
     assert len(got) == 2 and len(sent) == 2 and sum(got) == sum(sent) and min(sent) > 0, r["last"]
+    if transport == "auto":  # same node, GPU buffers: CUDA IPC
+        assert all(set(c["transports"].values()) == {"cuda_ipc"} for c in r["last"].values() if "transports" in c)
 
 
 def test_gpu_benchmark_small_is_bit_exact(tmp_path) -> None:

@@ -29,7 +29,7 @@ def _free_port() -> int:
 
 
 def _kwargs(name: str) -> dict:
-    return {"tcp": {"host": "127.0.0.1", "token": "tok"}, "nccl": {"token": "tok"},
+    return {"tcp": {"host": "127.0.0.1", "token": "tok"}, "nccl": {"token": "tok"}, "auto": {"token": "tok"},
             "nccl:gloo": {"token": "tok", "backend": "gloo"}}.get(name, {})
 
 
@@ -88,7 +88,7 @@ def _consumer(name: str, port: int, desc_q, out, go, device: str = "cpu") -> Non
         out.put(("crash", f"{type(e).__name__}: {e}"))
 
 
-@pytest.mark.parametrize("name", ["tcp", "torch", "nixl", "nccl:gloo"])
+@pytest.mark.parametrize("name", ["tcp", "torch", "nixl", "nccl:gloo", "auto"])
 def test_cross_process_contract(name: str) -> None:
     """``nccl:gloo`` is the nccl transport's protocol (request socket, one pair group per consumer, polled
     completion, abort on timeout) over gloo on CPU; the GPU run below uses NCCL itself."""
@@ -97,7 +97,7 @@ def test_cross_process_contract(name: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("name", ["nccl", "nixl", "cuda_ipc"])
+@pytest.mark.parametrize("name", ["nccl", "nixl", "cuda_ipc", "auto"])
 def test_gpu_contract(name: str) -> None:
     """VRAM to VRAM across processes: producer buffer on cuda:0, reads into cuda:1."""
     _contract(name, "cuda:0", "cuda:1")
@@ -113,7 +113,7 @@ def _contract(name: str, pdev: str, cdev: str) -> None:
         kind, ok = out.get(timeout=180)
         assert kind == "reads", ok
         assert all(ok), ok
-        if name == "cuda_ipc":
+        if name == "cuda_ipc" or (name == "auto" and pdev != "cpu"):  # auto: cuda_ipc within a node
             return  # a mapped allocation gives no death signal: the control plane detects a dead producer
         prod.kill()  # the producer dies: the next read must fail, typed, within its timeout
         prod.join(10)

@@ -72,7 +72,7 @@ class Consumer:
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
-        if transport in ("tcp", "nccl"):
+        if transport in ("tcp", "nccl", "auto"):
             kw.setdefault("token", token)  # the data plane is authenticated with the group's token too
         self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
@@ -293,7 +293,9 @@ class Consumer:
         self.coord.call(m.Completed(consumer=self.id, session=session, version=version), timeout_s=self.lease_s + 1)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=received[0],
                           apply_s=applied[0], rejoins=self.rejoins, recv_slots_used=slots.max_in_use,
-                          recv_bytes=len(self.slots) * self.slots[0].numel(), pulled_from=sorted(serving))
+                          recv_bytes=len(self.slots) * self.slots[0].numel(), pulled_from=sorted(serving),
+                          transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
+                                      for p in serving})
         return dict(self.stats)
 
     def _connect(self, producers: list[dict[str, Any]]) -> None:

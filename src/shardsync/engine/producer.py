@@ -45,6 +45,7 @@ from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .lanes import Lane
+from .publish import Publisher
 from .schedule import lockstep
 from .snapshot import PendingSync, Snapshot
 from .versions import ServedVersions, VersionState
@@ -55,7 +56,7 @@ from ..plan.route import chunk_layouts, holders_from_ownership
 from ..source import WeightSource, check_tensor
 from ..sources.adapt import adapt
 from ..transport import Transport, make_transport
-from ..types import Plan, metadata_digest
+from ..types import Plan, dtype_of, metadata_digest
 
 
 @dataclass
@@ -132,6 +133,7 @@ class Producer(ServedVersions):
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
         self.lane = Lane(cfg.device)
+        self._expect = {x.name: (torch.Size(x.shape), dtype_of(x.dtype)) for x in self.metas}
         if self.lane.cuda and not self.transport.caps.gpu:
             raise SyncError(f"producer {cfg.rank}: transport {self.transport.name!r} cannot move GPU memory (ring on "
                             f"{cfg.device}); use cuda_ipc, nccl or nixl")
@@ -140,7 +142,7 @@ class Producer(ServedVersions):
         """The data plane; the tcp and nccl transports bind where the control plane does, advertise the same address
         and check the group's token (unless ``transport_kwargs`` say otherwise)."""
         kw = dict(self.cfg.transport_kwargs)
-        if self.cfg.transport in ("tcp", "nccl"):
+        if self.cfg.transport in ("tcp", "nccl", "auto"):
             kw.setdefault("token", self.cfg.token)
             kw.setdefault("host", self.cfg.host)
             kw.setdefault("advertise_host", self.cfg.advertise_host)
@@ -342,9 +344,12 @@ class Producer(ServedVersions):
         assert self.ring is not None
         ls, it = self.schedule, iter(source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
+        dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
         gathered = peak = 0
+        pub = Publisher(self.lane, timeout_s=self.cfg.timeout_s, who=f"producer {self.cfg.rank}")
 
         def reclaim() -> bool:  # rule 5: a released group frees its slot
+            pub.check()
             for gg, s in list(slot_of.items()):
                 if not st.pending.get(gg):
                     free.append(s)
@@ -367,7 +372,9 @@ class Producer(ServedVersions):
                     if t is None:
                         raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded no tensor for "
                                                f"{n!r}, which this rank holds and serves")
-                    check_tensor(by_name[n], t, rank=self.cfg.rank)
+                    shape, dt = self._expect[n]
+                    if t.shape != shape or t.dtype != dt:
+                        check_tensor(by_name[n], t, rank=self.cfg.rank)
                     kept[n] = t.contiguous()
             peak = max(peak, now + sum(t.numel() * t.element_size() for n, t in kept.items() if n not in ls.keep[b]))
             del tensors  # rule 2 of the schedule: the batch is dropped once looked at
@@ -375,11 +382,19 @@ class Producer(ServedVersions):
                 await_slot(g)
                 max_resident = max(max_resident, len(slot_of) + 1)
                 slot = free.pop(0)
-                sent += self._pack(g, slot, kept, users, st)
+                sent += self._pack(g, slot, kept, users, st, pub, dropped)
+                dropped = []
                 slot_of[g] = slot
             for n in ls.drop_after[b]:
-                kept.pop(n, None)
+                t = kept.pop(n, None)
+                if t is not None and self.lane.cuda:
+                    dropped.append(t)
         self._no_more_batches(it)
+        try:
+            pub.submit(lambda: None, what="the last pack", hold=dropped)
+            pub.flush()
+        finally:
+            pub.close()
         self._wait(lambda: all(not st.pending.get(g) for g in self.order),
                    lambda: f"every consumer to release version {version} (missing: "
                            f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
@@ -414,10 +429,10 @@ class Producer(ServedVersions):
                                    f"groups() lists ({len(self.schedule.batches)})")
 
     def _pack(self, g: str, slot: int, full: dict[str, torch.Tensor], users: dict[str, set[str]],
-              st: VersionState) -> int:
-        """Pack every unit of group ``g`` into ring slot ``slot`` and publish it; returns the bytes it will send."""
+              st: VersionState, pub: Publisher, hold: list) -> int:
+        """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack
+        has run; returns the bytes it will send. The slot counts as held from now on."""
         assert self.ring is not None
-        ready: dict[str, list[list[int]]] = defaultdict(list)
         base, sent = slot * self.slot_bytes, 0
         with self.cv:
             live = {d: cs - st.dropped.keys() for d, cs in users.items()}
@@ -426,18 +441,24 @@ class Producer(ServedVersions):
             for u in units:
                 c = u.chunk
                 u.packer.pack(full, self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
-        self.lane.fence(timeout_s=self.cfg.timeout_s, what=f"producer {self.cfg.rank}: packing group {g!r}")
         for u in units:
-            c = u.chunk
-            region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-            ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                    if self.cfg.verify_checksums else -1])
-            sent += c.nbytes * len(live.get(u.digest, ()))
+            sent += u.chunk.nbytes * len(live.get(u.digest, ()))
         with self.cv:
             st.pending[g] = set().union(*(users[u.digest] for u in units)) - st.dropped.keys()
-            st.ready[g] = dict(ready)
-            st.packed.append(g)
-            self.cv.notify_all()
+
+        def announce() -> None:
+            ready: dict[str, list[list[int]]] = defaultdict(list)
+            for u in units:
+                c = u.chunk
+                region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
+                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
+                                        if self.cfg.verify_checksums else -1])
+            with self.cv:
+                st.ready[g] = dict(ready)
+                st.packed.append(g)
+                self.cv.notify_all()
+
+        pub.submit(announce, what=f"packing group {g!r}", hold=hold)
         return sent
 
     def _outcome(self, version: int, st: VersionState) -> m.Outcome:

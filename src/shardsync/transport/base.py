@@ -67,6 +67,7 @@ TRANSPORTS = {
     "nixl": ("shardsync.transport.nixl", "NixlTransport"),
     "cuda_ipc": ("shardsync.transport.cuda_ipc", "CudaIpcTransport"),
     "nccl": ("shardsync.transport.nccl", "NcclTransport"),
+    "auto": ("shardsync.transport.auto", "AutoTransport"),
 }
 
 
