@@ -149,7 +149,8 @@ def producer_proc(rank: int, n: int, args, q_in, q_out, bcast_world: bool) -> No
                 q_out.put(("reseeded", rank))
             elif kind == "sync":
                 r = profiled(args, f"producer{rank}", prod.sync, cmd[1])
-                q_out.put(("synced", rank, {k: r[k] for k in ("seconds", "bytes_sent", "max_resident")}))
+                q_out.put(("synced", rank, {k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s",
+                                                              "gather_s", "pack_s")}))
             elif kind == "close":
                 prod.close()
                 prod = None
@@ -260,7 +261,8 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
             elif kind == "sync":
                 r = profiled(args, cid, cons.sync, cmd[1])
                 q_out.put(("synced", cid, {k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used",
-                                                             "recv_bytes", "transports")}))
+                                                             "recv_bytes", "transports", "ready_wait_s",
+                                                             "read_s")}))
             elif kind == "check":
                 q_out.put(("checked", cid, check(cfg, metas, tp, rank, params, proc, dev, cmd[1])))
             elif kind == "close":
@@ -486,7 +488,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29513)
     ap.add_argument("--chunk-mb", type=int, default=1024, help="ProducerConfig.max_chunk_bytes in MiB")
     ap.add_argument("--lookahead", type=int, default=2)
-    ap.add_argument("--recv-slots", type=int, default=3)
+    ap.add_argument("--recv-slots", type=int, default=4)
     ap.add_argument("--transports", default="", help="comma list (default: cuda_ipc,nccl[,nixl] on GPUs; "
                                                      "tcp,nccl:gloo on CPU)")
     ap.add_argument("--scenarios", default="ABC")
@@ -527,7 +529,7 @@ def main() -> None:
             for i, t in enumerate(transports):
                 a["engine"][t] = g.run_engine(t, args.iters, 1 + 100 * i)
                 log(f"  A engine {t:<10}: median {a['engine'][t]['seconds']:.4f} s {a['engine'][t]['all_s']} "
-                    f"exact={a['engine'][t]['exact']}")
+                    f"exact={a['engine'][t]['exact']}; last sync: {stages(a['engine'][t]['last'])}")
             a["bcast_bucket_s"] = g.bcast("bucket", args.iters)
             log(f"  A bucketed 1 GiB broadcast: {a['bcast_bucket_s']:.4f} s")
             a["bcast_tensor_s"] = g.bcast("tensor", args.iters)
@@ -556,6 +558,13 @@ def main() -> None:
                     p.kill()
     json.dump(summary, open(os.path.join(args.out, "gpu_sync.json"), "w"), indent=1, default=str)
     log(json.dumps(headline(summary), default=str))
+
+
+def stages(last: dict) -> str:
+    """Where a sync's host time went, per process (producer: waiting for a ring slot, gathering, packing;
+    consumer: waiting for Ready, reading, applying)."""
+    keys = ("slot_wait_s", "gather_s", "pack_s", "ready_wait_s", "read_s", "apply_s")
+    return "; ".join(f"{who}: " + ", ".join(f"{k[:-2]} {r[k]:.3f}" for k in keys if k in r) for who, r in last.items())
 
 
 def report_a(a: dict, log) -> dict:

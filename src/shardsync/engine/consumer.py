@@ -202,6 +202,7 @@ class Consumer:
         applied = [0.0]
         lock = threading.Lock()
         received = [0]
+        clock = {"ready_wait_s": 0.0, "read_s": 0.0}  # summed over pullers: waiting for Ready, reading (slot + bytes)
 
         def applier() -> None:
             while True:
@@ -239,12 +240,17 @@ class Consumer:
                 fut = ask.submit(self._wait_ready, p, version, session, todo, failing)
                 releases: list[Future] = []
                 for k in range(len(todo)):
+                    t0 = time.perf_counter()
                     ready = fut.result(timeout=bound)
+                    t1 = time.perf_counter()
                     if failing.is_set():
                         return
                     if k + 1 < len(todo):  # ask for the next group while this one is read
                         fut = ask.submit(self._wait_ready, p, version, session, todo, failing, after=ready.group)
                     got = self._read(p, version, ready, slots, failing)
+                    with lock:
+                        clock["ready_wait_s"] += t1 - t0
+                        clock["read_s"] += time.perf_counter() - t1
                     releases.append(rel.submit(self._release, p, version, session, ready.group))
                     landed(p, ready.group, got)
                     for r in releases:
@@ -295,7 +301,7 @@ class Consumer:
                           apply_s=applied[0], rejoins=self.rejoins, recv_slots_used=slots.max_in_use,
                           recv_bytes=len(self.slots) * self.slots[0].numel(), pulled_from=sorted(serving),
                           transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
-                                      for p in serving})
+                                      for p in serving}, **clock)
         return dict(self.stats)
 
     def _connect(self, producers: list[dict[str, Any]]) -> None:

@@ -361,9 +361,12 @@ class Producer(ServedVersions):
                                         f"{sorted({c for gg in slot_of for c in st.pending.get(gg, ())})} have not "
                                         "released them)", version, st)
 
+        clock = {"slot_wait_s": 0.0, "gather_s": 0.0, "pack_s": 0.0}  # host time of this thread, by stage
         for b, expect in enumerate(ls.batches):
+            t1 = time.perf_counter()
             if ls.pack_after[b]:
                 await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
+            t2 = time.perf_counter()
             names, tensors = self._next_batch(it, expect, b)
             now = sum(t.numel() * t.element_size() for t in tensors if t is not None)
             gathered += now
@@ -378,13 +381,20 @@ class Producer(ServedVersions):
                     kept[n] = t.contiguous()
             peak = max(peak, now + sum(t.numel() * t.element_size() for n, t in kept.items() if n not in ls.keep[b]))
             del tensors  # rule 2 of the schedule: the batch is dropped once looked at
+            t3 = time.perf_counter()
+            clock["slot_wait_s"] += t2 - t1
+            clock["gather_s"] += t3 - t2
             for g in ls.pack_after[b]:
                 await_slot(g)
+                t4 = time.perf_counter()
                 max_resident = max(max_resident, len(slot_of) + 1)
                 slot = free.pop(0)
                 sent += self._pack(g, slot, kept, users, st, pub, dropped)
                 dropped = []
                 slot_of[g] = slot
+                clock["slot_wait_s"] += t4 - t3
+                clock["pack_s"] += time.perf_counter() - t4
+                t3 = time.perf_counter()
             for n in ls.drop_after[b]:
                 t = kept.pop(n, None)
                 if t is not None and self.lane.cuda:
@@ -409,7 +419,7 @@ class Producer(ServedVersions):
                           gathered_bytes=gathered, peak_gathered_bytes=peak, snapshot_bytes=snapshot_bytes,
                           source_stats=dict(getattr(self.source, "stats", None) or {}),
                           completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
-                          dropped_at=dict(st.dropped_at))
+                          dropped_at=dict(st.dropped_at), **clock)
         return dict(self.stats)
 
     def _next_batch(self, it: Any, expect: list[str], b: int) -> tuple[list[str], list[Any]]:

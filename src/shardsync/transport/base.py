@@ -93,10 +93,18 @@ def wait_event(ev: Any, *, timeout_s: float, what: str) -> None:
     the host waits for one stream's work, never for the whole device."""
     from ..errors import TransportError
 
+    poll(ev.query, timeout_s=timeout_s, what=lambda: f"{what} did not complete on the GPU within {timeout_s} s")
+
+
+def poll(done: Any, *, timeout_s: float, what: Any) -> None:
+    """Wait until ``done()``: a few yields, then short sleeps — many threads wait at once (pullers, the apply,
+    the publisher), and spinning on the GIL would starve the ones doing Python work."""
+    from ..errors import TransportError
+
     deadline = time.monotonic() + timeout_s
     spins = 0
-    while not ev.query():
+    while not done():
         if time.monotonic() > deadline:
-            raise TransportError(f"{what} did not complete on the GPU within {timeout_s} s")
+            raise TransportError(what())
         spins += 1
-        time.sleep(0 if spins < 2000 else 0.0001)
+        time.sleep(0 if spins < 16 else 20e-6)

@@ -25,7 +25,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TransportError
-from .base import Caps, check_range
+from .base import Caps, check_range, poll
 from .tcp import advertised, recv_exact
 
 __all__ = ["NcclTransport"]
@@ -69,13 +68,7 @@ def _finish(work: Any, backend: str, timeout_s: float, what: str) -> None:
         except RuntimeError as e:
             raise TransportError(f"{what} failed or timed out after {timeout_s} s: {e}") from None
         return
-    deadline = time.monotonic() + timeout_s
-    spins = 0
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TransportError(f"{what} did not complete within {timeout_s} s")
-        spins += 1
-        time.sleep(0 if spins < 2000 else 0.0001)
+    poll(work.is_completed, timeout_s=timeout_s, what=lambda: f"{what} did not complete within {timeout_s} s")
     work.wait()  # orders the caller's stream after it (no host wait: it has completed)
 
 
