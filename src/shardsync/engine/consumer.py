@@ -42,7 +42,7 @@ import torch
 
 from . import control as m
 from .heartbeat import Heartbeat
-from .lanes import Lane
+from .lanes import Lane, hot_path
 from .recvslots import RecvSlots
 from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
@@ -68,7 +68,7 @@ class Consumer:
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 device: str | None = None):
+                 device: str | None = None, switch_interval_s: float | None = 0.0002):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
@@ -82,6 +82,9 @@ class Consumer:
         """False: one puller, group by group in transfer order, each group's producers one after the other (PP
         stages served serially; kept as the reference the benchmark compares against)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
+        self.switch_interval_s = switch_interval_s
+        """While a sync runs, the GIL switch interval (and the cyclic GC paused); None: leave them
+        (``engine/lanes.hot_path``)."""
         self.lane = Lane(device)
         """Where the receive slots live and ``apply`` runs (``"cuda:1"``; None: CPU). On a GPU the slots are
         allocated there once (``stats["recv_bytes"]``: subtract it from ``gpu_memory_utilization``), transfers land
@@ -176,7 +179,8 @@ class Consumer:
             self._rejoin(self.heartbeat.dropped)
         applied_any = [False]
         try:
-            stats = self._sync(version, applied_any)
+            with hot_path(self.switch_interval_s):
+                stats = self._sync(version, applied_any)
         except BaseException as e:
             self.torn = self.torn or applied_any[0]
             self.abandon(version, f"{type(e).__name__}: {e}", lost_producer=getattr(e, "producer", -1))

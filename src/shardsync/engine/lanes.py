@@ -14,13 +14,16 @@ was queued on the lane has run, so that the host may publish a ring slot or free
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
+import threading
 from typing import Any
 
 import torch
 
 from ..transport.base import wait_event
 
-__all__ = ["Lane", "device_of"]
+__all__ = ["Lane", "device_of", "hot_path"]
 
 
 def device_of(device: "str | torch.device | None") -> torch.device:
@@ -53,3 +56,33 @@ class Lane:
         ev = torch.cuda.Event()
         ev.record(self.stream)
         wait_event(ev, timeout_s=timeout_s, what=what)
+
+
+_hot = {"depth": 0, "interval": 0.0, "gc": True}
+_hot_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def hot_path(switch_interval_s: "float | None"):
+    """While a sync runs (nested or concurrent syncs share one scope): the interpreter's thread switch interval
+    is lowered to ``switch_interval_s`` and the cyclic garbage collector paused, then both restored. The engine's
+    threads (control replies, announcements, pullers) otherwise wait up to 5 ms for the GIL behind a thread busy
+    in Python, and a full collection of a large heap stalls a sync for tens of milliseconds. None: leave both."""
+    if switch_interval_s is None:
+        yield
+        return
+    with _hot_lock:
+        if _hot["depth"] == 0:
+            _hot["interval"], _hot["gc"] = sys.getswitchinterval(), gc.isenabled()
+            sys.setswitchinterval(switch_interval_s)
+            gc.disable()
+        _hot["depth"] += 1
+    try:
+        yield
+    finally:
+        with _hot_lock:
+            _hot["depth"] -= 1
+            if _hot["depth"] == 0:
+                sys.setswitchinterval(_hot["interval"])
+                if _hot["gc"]:
+                    gc.enable()

@@ -44,7 +44,7 @@ import torch
 from . import control as m
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
-from .lanes import Lane
+from .lanes import Lane, hot_path
 from .publish import Publisher
 from .schedule import lockstep
 from .snapshot import PendingSync, Snapshot
@@ -94,6 +94,9 @@ class ProducerConfig:
     there once (``stats["ring_bytes"]``: subtract it from what the trainer may use), replay + pack run on a side
     stream after the stream that wrote the weights, and a group is announced once its pack has run; the transport
     must move GPU memory (``cuda_ipc``, ``nccl``, ``nixl``)."""
+    switch_interval_s: float | None = 0.0002
+    """While a sync runs, the process's GIL switch interval (and the cyclic GC is paused); restored afterwards.
+    None leaves the interpreter alone (see ``engine/lanes.hot_path``)."""
     gather_budget_bytes: int | None = None
     """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
     the source's largest gather group (plus what must be carried across groups) does not fit."""
@@ -273,13 +276,15 @@ class Producer(ServedVersions):
         try:
             st = self._begin(version)
             if block:
-                return self._sync(version, st, self.source)
+                with hot_path(self.cfg.switch_interval_s):
+                    return self._sync(version, st, self.source)
             snap = Snapshot(self, version)
             pending = PendingSync(version)
 
             def serve() -> None:
                 try:
-                    pending._set(self._sync(version, st, snap, snapshot_bytes=snap.nbytes))
+                    with hot_path(self.cfg.switch_interval_s):
+                        pending._set(self._sync(version, st, snap, snapshot_bytes=snap.nbytes))
                 except BaseException as e:
                     self._fail(version, st, e)
                     pending._set(error=e)
@@ -368,7 +373,7 @@ class Producer(ServedVersions):
                 await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
             t2 = time.perf_counter()
             names, tensors = self._next_batch(it, expect, b)
-            now = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            now = sum(t.nbytes for t in tensors if t is not None)
             gathered += now
             for n, t in zip(names, tensors):
                 if n in ls.keep[b]:
@@ -379,7 +384,7 @@ class Producer(ServedVersions):
                     if t.shape != shape or t.dtype != dt:
                         check_tensor(by_name[n], t, rank=self.cfg.rank)
                     kept[n] = t.contiguous()
-            peak = max(peak, now + sum(t.numel() * t.element_size() for n, t in kept.items() if n not in ls.keep[b]))
+            peak = max(peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried over
             del tensors  # rule 2 of the schedule: the batch is dropped once looked at
             t3 = time.perf_counter()
             clock["slot_wait_s"] += t2 - t1
