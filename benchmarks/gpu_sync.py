@@ -606,7 +606,7 @@ def report_c(c: dict, a: dict | None, log) -> dict:
     gbps = a["link"]["p2p_gbps"] if a else float("nan")
     plan = next(iter(c.values()))["ready"]["tp0"]["plan_bytes"]
     sol = plan / (gbps * 1e9)
-    log(f"\nscenario C: 2 producers (PP2) on GPU0 -> 1 consumer TP1 on GPU1, +fp8")
+    log("\nscenario C: 2 producers (PP2) on GPU0 -> 1 consumer TP1 on GPU1, +fp8")
     out = {"sol_s": sol, "raw": c}
     for t, r in c.items():
         out[t] = {"seconds": r["seconds"], "sol_ratio": sol / r["seconds"], "exact": r["exact"]}

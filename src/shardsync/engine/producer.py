@@ -46,17 +46,16 @@ from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
 from .publish import Publisher
-from .schedule import lockstep
 from .snapshot import PendingSync, Snapshot
+from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
 from ..errors import MetadataMismatch, ProducerLost, SyncError, TransportError
-from ..plan.pack import DEFAULT_CHUNK_BYTES, Chunk, GroupPacker, _align
-from ..plan.route import chunk_layouts, holders_from_ownership
+from ..plan.pack import DEFAULT_CHUNK_BYTES
 from ..source import WeightSource, check_tensor
 from ..sources.adapt import adapt
 from ..transport import Transport, make_transport
-from ..types import Plan, dtype_of, metadata_digest
+from ..types import dtype_of, metadata_digest
 
 
 @dataclass
@@ -100,17 +99,6 @@ class ProducerConfig:
     gather_budget_bytes: int | None = None
     """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
     the source's largest gather group (plus what must be carried across groups) does not fit."""
-
-
-@dataclass
-class _Unit:
-    """One chunk of one plan's group that this producer packs and serves (fixed per assignment epoch)."""
-
-    digest: str
-    chunk: Chunk
-    slot_offset: int  # offset inside a ring slot
-    packer: GroupPacker
-    sources: frozenset[str]  # checkpoint names the chunk's slices come from
 
 
 class Producer(ServedVersions):
@@ -215,28 +203,9 @@ class Producer(ServedVersions):
     def _assign(self, asg: Any) -> None:
         """Build this rank's units from the coordinator's assignments (at init, and when a rejoiner's new plan
         bumped the epoch); the ring is (re)allocated only if a slot must grow."""
-        if not isinstance(asg, m.Assignments):
-            raise TransportError(f"producer {self.cfg.rank}: coordinator answered {type(asg).__name__}, "
-                                 "expected Assignments")
         cfg = self.cfg
-        plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
-        holders = holders_from_ownership(asg.held, [x.name for x in self.metas])
-        units: dict[str, list[_Unit]] = defaultdict(list)
-        slot_end: dict[str, int] = defaultdict(int)  # units of every plan share their group's slot
-        for d, routes in sorted(asg.routes.items()):
-            layouts = chunk_layouts(plans[d], holders, max_chunk_bytes=cfg.max_chunk_bytes)
-            for g, per_chunk in routes.items():
-                for ci, p in enumerate(per_chunk):
-                    if p == cfg.rank:
-                        lay, gp = layouts[g], plans[d].group(g)
-                        c = lay.chunks[ci]
-                        srcs = frozenset(s.src for s in gp.scatters[c.first:c.stop])
-                        units[g].append(_Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
-                        slot_end[g] = _align(slot_end[g] + c.nbytes, 64)
-        self.units = units
-        needs = {g: frozenset().union(*(u.sources for u in us)) for g, us in units.items()}
-        self.schedule = lockstep(self.source.groups(), needs=needs, held=self.source.held_names(),
-                                 nbytes={x.name: x.nbytes for x in self.metas}, rank=cfg.rank)
+        self.units, self.schedule, slot = build_units(asg, self.metas, self.source, rank=cfg.rank,
+                                                      max_chunk_bytes=cfg.max_chunk_bytes)
         if cfg.gather_budget_bytes is not None and self.schedule.peak_bytes > cfg.gather_budget_bytes:
             b = max(range(len(self.schedule.batches)), key=lambda i: self.schedule.batch_bytes[i])
             raise SyncError(f"producer {cfg.rank}: gathering needs up to {self.schedule.peak_bytes} bytes of full "
@@ -244,7 +213,6 @@ class Producer(ServedVersions):
                             f"{self.schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
                             f"{cfg.gather_budget_bytes}")
         self.order = self.schedule.order
-        slot = _align(max(max((u.slot_offset + u.chunk.nbytes for us in units.values() for u in us), default=0), 1), 64)
         self.n_slots = cfg.lookahead + 1
         if self.ring is None or slot > self.slot_bytes:
             if self.ring is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor

@@ -91,8 +91,6 @@ def check_range(buf_nbytes: int, offset: int, nbytes: int, into: torch.Tensor, p
 def wait_event(ev: Any, *, timeout_s: float, what: str) -> None:
     """Poll a CUDA event until it has completed (spinning briefly, then sleeping), bounded by ``timeout_s``:
     the host waits for one stream's work, never for the whole device."""
-    from ..errors import TransportError
-
     poll(ev.query, timeout_s=timeout_s, what=lambda: f"{what} did not complete on the GPU within {timeout_s} s")
 
 
