@@ -79,6 +79,9 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     token: str = ""
     transport: str = "tcp"
     transport_kwargs: dict[str, Any] = field(default_factory=dict)
+    recv_device: str = "auto"
+    """Pull mode: where the receive slots live. ``auto``: the worker's GPU when it has one and the transport moves
+    GPU memory (anything but ``tcp``), else host memory; ``cpu``; or a device such as ``cuda:0``."""
     replica: str = ""
     """This engine's replica id (consumers are ``{replica}/rank{R}``); default ``vllm-{instance id}``, unique per
     engine, so one init payload can go to several replicas (vLLM's Ray client fans out)."""
@@ -142,6 +145,15 @@ def _refuse_rebind_under_cuda_graphs(vllm_config, kinds: dict, plan, validated: 
                         "captured graphs would not see: start the engine with enforce_eager=True, or keep validate on")
 
 
+def _recv_device(info: ShardsyncInitInfo, worker_device: Any) -> str | None:
+    if info.recv_device == "cpu":
+        return None
+    if info.recv_device != "auto":
+        return info.recv_device
+    dev = torch.device(worker_device) if worker_device is not None else torch.device("cpu")
+    return str(dev) if dev.type == "cuda" and info.transport != "tcp" else None
+
+
 class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
     init_info_cls = ShardsyncInitInfo
     update_info_cls = ShardsyncUpdateInfo
@@ -193,7 +205,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                      apply=self._apply, transport=init_info.transport,
                                      transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
                                      verify_checksums=init_info.verify_checksums,
-                                     recv_budget_bytes=init_info.recv_budget_bytes)
+                                     recv_budget_bytes=init_info.recv_budget_bytes,
+                                     device=_recv_device(init_info, self.device))
             try:
                 self.plan = self.consumer.init()
             except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init

@@ -57,6 +57,9 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     """Interface to bind (default: ``master_address`` on the sender; elsewhere 127.0.0.1 when ``master_address``
     is a loopback address, else 0.0.0.0, advertising this machine's address)."""
     transport: str = "tcp"
+    device: str | None = None
+    """Where this rank's ring lives and packing runs (``"cuda:0"``, with transport ``auto``/``cuda_ipc``/``nccl``/
+    ``nixl``); None: host memory (tcp)."""
     lookahead: int = 1
     timeout_s: float = 120.0
     init_timeout_s: float = 600.0
@@ -123,7 +126,7 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
                              lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
                              init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
                              gather_budget_bytes=init_info.gather_budget_bytes,
-                             verify_checksums=init_info.verify_checksums)
+                             verify_checksums=init_info.verify_checksums, device=init_info.device)
         token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
         # rank 0 must be listening before the others dial it: make the server first, then share its address
         producer = None
