@@ -9,9 +9,9 @@ The consumer's half of the schedule:
    reconnected here).
 3. One puller thread per producer, all at once (every PP stage, every EP rank concurrently): each asks
    its producer for "the next group you have for me" (producers pack in transfer order) — and, while it
-   reads that group, already for the one after it — reads the group's chunks into the group's receive slot (``engine/recvslots.py``: ``recv_slots`` buffers of the
-   largest group's size, allocated once — the receive-memory budget; its rules say why this cannot
-   deadlock) and sends ``Released`` (on a connection of its own, in the background) right after the bytes
+   reads that group, already for the one after it (``WaitReady.after``) — reads the group's chunks into
+   the group's receive slot (``engine/recvslots.py``: ``recv_slots`` buffers of the largest group's size,
+   allocated once — the receive-memory budget; its rules say why this cannot deadlock) and sends ``Released`` (on a connection of its own, in the background) right after the bytes
    have landed.
 4. A group whose every producer's part has landed goes to the apply thread (unpack → scatter into the
    engine's buffers → the engine's per-layer processing), which overlaps the pulls; its slot is reused
@@ -257,9 +257,9 @@ class Consumer:
                         clock["read_s"] += time.perf_counter() - t1
                     releases.append(rel.submit(self._release, p, version, session, ready.group))
                     landed(p, ready.group, got)
-                    for r in releases:
-                        if r.done():
-                            r.result()  # a failed release surfaces now
+                    for r in [r for r in releases if r.done()]:
+                        r.result()  # a failed release surfaces now
+                        releases.remove(r)
                 for r in releases:
                     r.result(timeout=bound)
             except BaseException as e:

@@ -335,49 +335,49 @@ class Producer(ServedVersions):
                                         "released them)", version, st)
 
         clock = {"slot_wait_s": 0.0, "gather_s": 0.0, "pack_s": 0.0}  # host time of this thread, by stage
-        for b, expect in enumerate(ls.batches):
-            t1 = time.perf_counter()
-            if ls.pack_after[b]:
-                await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
-            t2 = time.perf_counter()
-            names, tensors = self._next_batch(it, expect, b)
-            now = sum(t.nbytes for t in tensors if t is not None)
-            gathered += now
-            for n, t in zip(names, tensors):
-                if n in ls.keep[b]:
-                    if t is None:
-                        raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded no tensor for "
-                                               f"{n!r}, which this rank holds and serves")
-                    shape, dt = self._expect[n]
-                    if t.shape != shape or t.dtype != dt:
-                        check_tensor(by_name[n], t, rank=self.cfg.rank)
-                    kept[n] = t.contiguous()
-            peak = max(peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried over
-            del tensors  # rule 2 of the schedule: the batch is dropped once looked at
-            t3 = time.perf_counter()
-            clock["slot_wait_s"] += t2 - t1
-            clock["gather_s"] += t3 - t2
-            for g in ls.pack_after[b]:
-                await_slot(g)
-                t4 = time.perf_counter()
-                max_resident = max(max_resident, len(slot_of) + 1)
-                slot = free.pop(0)
-                sent += self._pack(g, slot, kept, users, st, pub, dropped)
-                dropped = []
-                slot_of[g] = slot
-                clock["slot_wait_s"] += t4 - t3
-                clock["pack_s"] += time.perf_counter() - t4
-                t3 = time.perf_counter()
-            for n in ls.drop_after[b]:
-                t = kept.pop(n, None)
-                if t is not None and self.lane.cuda:
-                    dropped.append(t)
-        self._no_more_batches(it)
         try:
+            for b, expect in enumerate(ls.batches):
+                t1 = time.perf_counter()
+                if ls.pack_after[b]:
+                    await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
+                t2 = time.perf_counter()
+                names, tensors = self._next_batch(it, expect, b)
+                now = sum(t.nbytes for t in tensors if t is not None)
+                gathered += now
+                for n, t in zip(names, tensors):
+                    if n in ls.keep[b]:
+                        if t is None:
+                            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded no tensor for "
+                                                   f"{n!r}, which this rank holds and serves")
+                        shape, dt = self._expect[n]
+                        if t.shape != shape or t.dtype != dt:
+                            check_tensor(by_name[n], t, rank=self.cfg.rank)
+                        kept[n] = t.contiguous()
+                peak = max(peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried over
+                del tensors  # rule 2 of the schedule: the batch is dropped once looked at
+                t3 = time.perf_counter()
+                clock["slot_wait_s"] += t2 - t1
+                clock["gather_s"] += t3 - t2
+                for g in ls.pack_after[b]:
+                    await_slot(g)
+                    t4 = time.perf_counter()
+                    max_resident = max(max_resident, len(slot_of) + 1)
+                    slot = free.pop(0)
+                    sent += self._pack(g, slot, kept, users, st, pub, dropped)
+                    dropped = []
+                    slot_of[g] = slot
+                    clock["slot_wait_s"] += t4 - t3
+                    clock["pack_s"] += time.perf_counter() - t4
+                    t3 = time.perf_counter()
+                for n in ls.drop_after[b]:
+                    t = kept.pop(n, None)
+                    if t is not None and self.lane.cuda:
+                        dropped.append(t)
+            self._no_more_batches(it)
             pub.submit(lambda: None, what="the last pack", hold=dropped)
             pub.flush()
         finally:
-            pub.close()
+            pub.close()  # also when the sync fails: no publisher thread outlives it
         self._wait(lambda: all(not st.pending.get(g) for g in self.order),
                    lambda: f"every consumer to release version {version} (missing: "
                            f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
