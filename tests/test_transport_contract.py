@@ -150,3 +150,18 @@ def test_unknown_transport_is_a_clear_error() -> None:
         make_transport("carrier-pigeon")
 
 
+
+
+@pytest.mark.parametrize("name", ["tcp", "nccl"])
+def test_wrong_token_is_refused_before_any_byte_or_group(name: str) -> None:
+    kw = {"backend": "gloo"} if name == "nccl" else {}
+    prod = make_transport(name, token="right", **kw)
+    desc = prod.register(pattern(1024))
+    cons = make_transport(name, token="wrong", **kw)
+    try:
+        with pytest.raises(TransportError, match="rejected the token"):
+            cons.connect(0, desc)
+        assert prod.refused == 1
+    finally:
+        cons.close()
+        prod.close()

@@ -20,7 +20,6 @@ Every wait polls with a deadline; a read that times out aborts its pair's commun
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import struct
@@ -34,11 +33,11 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from .base import Caps, check_range, poll
-from .tcp import advertised, recv_exact
+from .tcp import accept_loop, advertised, recv_exact, send_token, token_ok
 
 __all__ = ["NcclTransport"]
 
-_REQ = struct.Struct("!QQ")
+_REQ = struct.Struct("!QQQ")  # offset, nbytes, the consumer's timeout in ms
 _OK, _ERR = b"K", b"E"
 _KEY = 32
 _TAG = 0
@@ -113,21 +112,11 @@ class NcclTransport:
                                     wait_for_workers=False)
         self._server = socket.create_server((self.host, 0))
         self._server.settimeout(0.2)
-        threading.Thread(target=self._accept_loop, name="shardsync-nccl-accept", daemon=True).start()
+        threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-nccl-serve"),
+                         name="shardsync-nccl-accept", daemon=True).start()
         return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1],
                 "store_port": self._store.port, "nbytes": buf.numel(), "backend": self.backend,
                 "device": str(buf.device)}
-
-    def _accept_loop(self) -> None:
-        assert self._server is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="shardsync-nccl-serve", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         assert self._buf is not None
@@ -136,19 +125,15 @@ class NcclTransport:
             torch.cuda.set_device(buf.device)
         with conn:
             try:
-                conn.settimeout(self.auth_timeout_s)
-                (n,) = struct.unpack("!H", recv_exact(conn, 2))
-                if n > 256 or not hmac.compare_digest(recv_exact(conn, n), self.token.encode()):
+                if not token_ok(conn, self.token, self.auth_timeout_s):
                     self.refused += 1
-                    conn.sendall(_ERR)
                     return
                 key = recv_exact(conn, _KEY).decode()
-                conn.sendall(_OK)
                 pg = _pair_group(self.backend, self._store, key, 0, self.connect_timeout_s)
                 self._served.append((conn, pg))
                 conn.settimeout(None)
                 while not self._closed.is_set():
-                    off, n, timeout_ms = struct.unpack("!QQQ", recv_exact(conn, 24))
+                    off, n, timeout_ms = _REQ.unpack(recv_exact(conn, _REQ.size))
                     if off + n > buf.numel() or n == 0:
                         conn.sendall(_ERR)
                         continue
@@ -172,9 +157,7 @@ class NcclTransport:
         try:
             s = socket.create_connection((desc["host"], int(desc["port"])), timeout=self.connect_timeout_s)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tok = self.token.encode()
-            s.sendall(struct.pack("!H", len(tok)) + tok + key.encode())
-            if recv_exact(s, 1) != _OK:
+            if not send_token(s, self.token, key.encode()):
                 raise TransportError(f"nccl: producer {producer} at {desc['host']}:{desc['port']} rejected the token")
             store = dist.TCPStore(desc["host"], int(desc["store_port"]), None, False,
                                   timeout=timedelta(seconds=self.connect_timeout_s))
@@ -197,7 +180,7 @@ class NcclTransport:
         with lock:
             try:
                 s.settimeout(timeout_s)
-                s.sendall(struct.pack("!QQQ", offset, nbytes, int(timeout_s * 1000)))
+                s.sendall(_REQ.pack(offset, nbytes, int(timeout_s * 1000)))
                 if recv_exact(s, 1) != _OK:
                     raise TransportError(f"{what}: refused")
                 _finish(pg.recv([into[:nbytes]], 0, _TAG), self.backend, timeout_s, what)

@@ -55,6 +55,40 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
     return None if into is not None else bytes(buf)
 
 
+def accept_loop(server: socket.socket, closed: threading.Event, serve: Any, name: str) -> None:
+    """Accept connections until ``closed`` (the server socket has a short timeout), each served on its own thread."""
+    while not closed.is_set():
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            continue
+        except OSError:
+            if not closed.is_set():
+                log.exception("%s: accept failed; serving stops", name)
+            return
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        threading.Thread(target=serve, args=(conn,), name=name, daemon=True).start()
+
+
+def token_ok(conn: socket.socket, token: str, timeout_s: float) -> bool:
+    """The server side of the data plane's handshake: the peer's token (length capped, a silent peer times out)
+    compared in constant time; answers OK or ERR."""
+    conn.settimeout(timeout_s)
+    (n,) = struct.unpack("!H", recv_exact(conn, 2))
+    if n > _MAX_TOKEN or not hmac.compare_digest(recv_exact(conn, n), token.encode()):
+        conn.sendall(_ERR)
+        return False
+    conn.sendall(_OK)
+    return True
+
+
+def send_token(sock: socket.socket, token: str, extra: bytes = b"") -> bool:
+    """The client side: send the token (and ``extra``), True if the server accepted it."""
+    tok = token.encode()
+    sock.sendall(struct.pack("!H", len(tok)) + tok + extra)
+    return recv_exact(sock, 1) == _OK
+
+
 class TcpTransport:
     name = "tcp"
     caps = Caps(one_sided=False, gpu=False, can_abort=True)
@@ -80,38 +114,20 @@ class TcpTransport:
         self._buf = buf
         self._server = socket.create_server((self.host, self.port))
         self._server.settimeout(0.2)
-        t = threading.Thread(target=self._accept_loop, name="shardsync-tcp-accept", daemon=True)
+        t = threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-tcp-serve"),
+                             name="shardsync-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
         return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1], "nbytes": buf.numel()}
-
-    def _accept_loop(self) -> None:
-        assert self._server is not None
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if not self._closed.is_set():
-                    log.exception("tcp transport: accept failed; serving stops")
-                return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
         assert self._buf is not None
         mv = memoryview(self._buf.numpy())
         with conn:
             try:
-                conn.settimeout(self.auth_timeout_s)
-                (n,) = struct.unpack("!H", recv_exact(conn, 2))
-                if n > _MAX_TOKEN or not hmac.compare_digest(recv_exact(conn, n), self.token.encode()):
+                if not token_ok(conn, self.token, self.auth_timeout_s):
                     self.refused += 1
-                    conn.sendall(_ERR)
                     return
-                conn.sendall(_OK)
                 conn.settimeout(self.idle_timeout_s)
                 while not self._closed.is_set():
                     off, n = _REQ.unpack(recv_exact(conn, _REQ.size))
@@ -130,9 +146,7 @@ class TcpTransport:
         try:
             s = socket.create_connection((desc["host"], int(desc["port"])), timeout=timeout_s)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            tok = self.token.encode()
-            s.sendall(struct.pack("!H", len(tok)) + tok)
-            if recv_exact(s, 1) != _OK:
+            if not send_token(s, self.token):
                 raise TransportError(f"tcp: producer {producer} at {desc['host']}:{desc['port']} rejected the token")
         except (OSError, ConnectionError) as e:
             raise TransportError(f"tcp: cannot connect to producer {producer} at {desc.get('host')}:"
