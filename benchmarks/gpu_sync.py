@@ -1,7 +1,8 @@
 """GPU benchmark of the engine a user runs: ``Producer`` on GPU0, ``Consumer``s on GPU1, through the coordinator
 and the control plane, for Qwen3-30B-A3B-shaped weights (two H200s).
 
-Every number comes from one run (median of ``--iters`` syncs after a warm-up sync):
+Every number comes from one run (median of ``--iters`` syncs after two warm-up syncs — the first builds the
+packers' and unpackers' views; it is reported as ``first_sync_s``):
 
 * A — one producer (the whole model) -> one TP1 consumer whose ``apply`` is vLLM's loader semantics (zoo) plus
   the FP8 process step (128x128 block scales, one fused Triton kernel, in place): the engine over each transport
