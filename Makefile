@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,vllm]" "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test,vllm,ray]" "torch==2.13.0"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 	$(PY) -c "import torch, vllm, shardsync; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__)"

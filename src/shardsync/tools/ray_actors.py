@@ -1,0 +1,83 @@
+"""Ray actors for tests and demos: zoo trainer ranks (a PP share each, weights = seed of the version) and zoo
+engines (vLLM loader semantics) that sync through ``integrations/ray``; an engine checks itself byte for byte."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from ..integrations.ray import start_consumer, start_producer
+from ..plan.pack import GroupUnpacker, layout_group
+from ..plan.record import record_plan
+from ..plan.validate import mismatched
+from ..zoo import ZooConfig, ZooModel, hf_state_dict
+from .cluster_procs import VersionedSource
+
+
+@ray.remote(num_cpus=0)
+class ZooTrainer:
+    def __init__(self, cfg: dict, rank: int, n: int, *, group: str, n_consumers: int, **pcfg: Any):
+        torch.set_num_threads(1)
+        self.source = VersionedSource.make({"kind": "zoo", "cfg": cfg}, rank, n)
+        self.producer = start_producer(self.source, group=group, rank=rank, n_producers=n, n_consumers=n_consumers,
+                                       **pcfg)
+
+    def init(self) -> bool:
+        self.producer.init()
+        return True
+
+    def sync(self, version: int) -> dict[str, Any]:
+        self.source.set_version(version)
+        r = self.producer.sync(version)
+        return {k: r[k] for k in ("bytes_sent", "completed", "dropped", "seconds")}
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+@ray.remote(num_cpus=0)
+class ZooEngine:
+    def __init__(self, consumer_id: str, cfg: dict, tp: int, tp_rank: int, *, group: str, **ckw: Any):
+        torch.set_num_threads(1)
+        self.zc, self.tp, self.rank = ZooConfig(**cfg), tp, tp_rank
+        self.live = ZooModel(self.zc, tp_size=tp, tp_rank=tp_rank)
+        params = dict(self.live.named_parameters())
+        unpackers: dict[str, GroupUnpacker] = {}
+
+        def record(metas):
+            dry = ZooModel(self.zc, tp_size=tp, tp_rank=tp_rank)
+            return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
+                               consumer=consumer_id, rank=tp_rank)
+
+        def apply(group_name: str, buf: torch.Tensor) -> None:
+            if group_name not in unpackers:
+                g = self.consumer.plan.group(group_name)
+                unpackers[group_name] = GroupUnpacker(g, layout_group(g))
+            unpackers[group_name].unpack(buf, params)
+
+        self.consumer = start_consumer(consumer_id, group=group, record=record, apply=apply, **ckw)
+
+    def init(self) -> bool:
+        self.consumer.init()
+        return True
+
+    def sync(self, version: int) -> dict[str, Any]:
+        try:
+            r = self.consumer.sync(version)
+            return {"ok": True, "version": version, "bytes_received": r["bytes_received"]}
+        except Exception as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}", "torn": self.consumer.torn}
+
+    def check(self) -> dict[str, Any]:
+        """The weights this engine holds vs a fresh load of the version it reports."""
+        v = self.consumer.version
+        if v == 0 or self.consumer.torn:
+            return {"version": v, "torn": self.consumer.torn, "mismatched": None}
+        ref = ZooModel(self.zc, tp_size=self.tp, tp_rank=self.rank)
+        ref.load_weights(hf_state_dict(self.zc, seed=v).items())
+        return {"version": v, "torn": False, "mismatched": mismatched(self.live.state_dict(), ref.state_dict())}
+
+    def close(self) -> None:
+        self.consumer.close()

@@ -1,0 +1,62 @@
+"""shardsync on Ray: trainer actors (PP2) and engine actors find each other by the group's name (no ports), sync
+exactly, and a killed engine actor is dropped and rejoins when restarted under its consumer id."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+import ray
+
+from shardsync.integrations.ray import forget, lookup
+from shardsync.tools.ray_actors import ZooEngine, ZooTrainer
+from shardsync.zoo import ZooConfig
+
+CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="shardsync-tests")
+    yield
+    ray.shutdown()
+
+
+def _sync(trainers, engines, v):
+    refs = [t.sync.remote(v) for t in trainers] + [e.sync.remote(v) for e in engines]
+    out = ray.get(refs, timeout=120)
+    return out[:len(trainers)], out[len(trainers):]
+
+
+def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine_rejoins(local_ray) -> None:
+    group = "policy-test"
+    kw = dict(group=group, n_consumers=2, lease_s=2.0, timeout_s=60)
+    trainers = [ZooTrainer.remote(CFG, r, 2, **kw) for r in range(2)]
+    ids = ["r0/tp0", "r0/tp1"]
+    engines = [ZooEngine.remote(ids[r], CFG, 2, r, group=group, timeout_s=60) for r in range(2)]
+    try:
+        ray.get([a.init.remote() for a in trainers + engines], timeout=180)
+        info = lookup(group, timeout_s=5)
+        assert info["transport"] == "tcp" and len(info["token"]) == 32 and info["coordinator"][1] > 0
+        for v in (1, 2):
+            tr, en = _sync(trainers, engines, v)
+            assert all(e["ok"] for e in en), en
+            assert sum(t["bytes_sent"] for t in tr) == sum(e["bytes_received"] for e in en) > 0
+            assert all(c["mismatched"] == [] and c["version"] == v for c in ray.get([e.check.remote() for e in engines]))
+        ray.kill(engines[1])  # the engine actor dies: the next version goes on without it
+        tr, en = _sync(trainers, engines[:1], 3)
+        assert en[0]["ok"] and ids[1] in tr[0]["dropped"], (en, tr)
+        assert ray.get(engines[0].check.remote())["mismatched"] == []
+        engines[1] = ZooEngine.remote(ids[1], CFG, 2, 1, group=group, timeout_s=60)  # restarted, same consumer id
+        ray.get(engines[1].init.remote(), timeout=120)
+        tr, en = _sync(trainers, engines, 4)
+        assert all(e["ok"] for e in en), en
+        checks = ray.get([e.check.remote() for e in engines])
+        assert all(c["mismatched"] == [] and c["version"] == 4 for c in checks), checks
+    finally:
+        for a in engines + trainers:
+            try:
+                ray.get(a.close.remote(), timeout=10)
+            except Exception:
+                pass
+        forget(group)
