@@ -3,12 +3,13 @@ exactly, and a killed engine actor is dropped and rejoins when restarted under i
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 
 import pytest
 import ray
 
-from shardsync.integrations.ray import forget, lookup
+from shardsync.integrations.ray import EngineWatch, forget, lookup
 from shardsync.tools.ray_actors import ZooEngine, ZooTrainer
 from shardsync.zoo import ZooConfig
 
@@ -29,13 +30,17 @@ def _sync(trainers, engines, v):
 
 
 def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine_rejoins(local_ray) -> None:
+    """The lease is long (30 s): the killed actor is dropped at once because the watch sees Ray's actor death."""
     group = "policy-test"
-    kw = dict(group=group, n_consumers=2, lease_s=2.0, timeout_s=60)
+    kw = dict(group=group, n_consumers=2, lease_s=30.0, timeout_s=60)
     trainers = [ZooTrainer.remote(CFG, r, 2, **kw) for r in range(2)]
     ids = ["r0/tp0", "r0/tp1"]
     engines = [ZooEngine.remote(ids[r], CFG, 2, r, group=group, timeout_s=60) for r in range(2)]
     try:
         ray.get([a.init.remote() for a in trainers + engines], timeout=180)
+        watch = EngineWatch(group)
+        for cid, e in zip(ids, engines):
+            watch.watch(e, [cid])
         info = lookup(group, timeout_s=5)
         assert info["transport"] == "tcp" and len(info["token"]) == 32 and info["coordinator"][1] > 0
         for v in (1, 2):
@@ -43,16 +48,23 @@ def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine
             assert all(e["ok"] for e in en), en
             assert sum(t["bytes_sent"] for t in tr) == sum(e["bytes_received"] for e in en) > 0
             assert all(c["mismatched"] == [] and c["version"] == v for c in ray.get([e.check.remote() for e in engines]))
-        ray.kill(engines[1])  # the engine actor dies: the next version goes on without it
-        tr, en = _sync(trainers, engines[:1], 3)
-        assert en[0]["ok"] and ids[1] in tr[0]["dropped"], (en, tr)
+        ray.kill(engines[1])  # the engine actor dies: Ray's notice drops it at once, not the 30 s lease
+        t0 = time.monotonic()
+        while not watch.evicted and time.monotonic() - t0 < 15:
+            time.sleep(0.05)
+        assert [c for c, _ in watch.evicted] == [ids[1]] and "died" in watch.evicted[0][1], watch.evicted
+        tr, en = _sync(trainers, engines[:1], 3)  # the next version goes on without it
+        assert en[0]["ok"] and ids[1] not in tr[0]["completed"] and ids[0] in tr[0]["completed"], (en, tr)
+        assert time.monotonic() - t0 < 20, "waited for the 30 s lease instead of Ray's death notice"
         assert ray.get(engines[0].check.remote())["mismatched"] == []
         engines[1] = ZooEngine.remote(ids[1], CFG, 2, 1, group=group, timeout_s=60)  # restarted, same consumer id
         ray.get(engines[1].init.remote(), timeout=120)
+        watch.watch(engines[1], [ids[1]])
         tr, en = _sync(trainers, engines, 4)
         assert all(e["ok"] for e in en), en
         checks = ray.get([e.check.remote() for e in engines])
         assert all(c["mismatched"] == [] and c["version"] == 4 for c in checks), checks
+        watch.stop()
     finally:
         for a in engines + trainers:
             try:

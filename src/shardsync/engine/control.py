@@ -214,8 +214,13 @@ class Goodbye(_M):  # a consumer leaves for good
     session: str
 
 
+class Evict(_M):  # an orchestrator saw these consumers' engine die (Ray actor death): drop them now, not at lease end
+    consumers: list[str]
+    reason: str
+
+
 Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome, InitFailed,
-            RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye]
+            RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye, Evict]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Msg)
 

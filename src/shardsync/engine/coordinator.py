@@ -242,6 +242,17 @@ class Coordinator:
             self.cv.notify_all()
         return m.Ack()
 
+    def _on_Evict(self, msg: m.Evict) -> m.Msg:
+        """Any holder of the group's token (an orchestrator watching engine processes) may report consumers dead:
+        they are dropped from the version in progress at once, like an expired lease; a restarted one rejoins."""
+        with self.cv:
+            for cid in msg.consumers[:4096]:
+                c = self.ms.consumers.get(cid)
+                if c is not None:
+                    self.ms.drop(cid, c.session, f"evicted: {msg.reason[:500]}")
+            self.cv.notify_all()
+        return m.Ack()
+
     def _on_BeginSync(self, msg: m.BeginSync) -> m.Msg:
         with self.cv:
             if msg.consumer:

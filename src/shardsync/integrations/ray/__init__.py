@@ -8,9 +8,12 @@ that find them by the sync group's name — addresses and the group's token trav
     llm.init_weight_transfer_engine(dict(init_info=engine_init_info("policy")))
     # or any engine of your own:
     consumer = start_consumer("replica0/rank0", group="policy", record=..., apply=...)
+    # in the driver: a dead engine actor is dropped at once, not after its lease
+    watch = EngineWatch("policy"); watch.watch(engine_actor, ["replica0/rank0"])
 """
 
 from .helpers import engine_init_info, start_consumer, start_producer
 from .registry import forget, lookup, publish
+from .watch import EngineWatch
 
-__all__ = ["start_producer", "start_consumer", "engine_init_info", "publish", "lookup", "forget"]
+__all__ = ["start_producer", "start_consumer", "engine_init_info", "publish", "lookup", "forget", "EngineWatch"]
