@@ -6,7 +6,7 @@ import pytest
 
 from shardsync.errors import MetadataMismatch
 from shardsync.tools.localcluster import LocalCluster, pp_share
-from shardsync.plan.route import holders_from_ownership, route_plans
+from shardsync.plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
@@ -52,6 +52,21 @@ def test_routes_balance_across_holders_and_share_one_route_per_plan() -> None:
     assert set(load) == {0, 1} and min(load.values()) > 0.8 * max(load.values()), load
     for p in plans:  # a group stays on one producer when one holds it all
         assert all(len(set(per)) == 1 for per in routes[p.digest].values())
+
+
+def test_routes_prefer_producers_on_the_consumers_node_over_balance() -> None:
+    """Two producers holding everything on nodes A and B; the same plan on both nodes: each node's route key reads
+    only from its own node's producer (rule 5); a node without a producer is balanced as before."""
+    metas, plans = _plans(CFG, tp=1)
+    holders = holders_from_ownership([None, None], [m.name for m in metas])
+    d = plans[0].digest
+    ka, kb, kc = route_key(d, "A"), route_key(d, "B"), route_key(d, "C")
+    routes, load = route_plans({ka: plans[0], kb: plans[0], kc: plans[0]}, holders, {ka: 1, kb: 1, kc: 1},
+                               max_chunk_bytes=16 << 10, prefer={ka: {0}, kb: {1}, kc: set()})
+    assert {p for per in routes[ka].values() for p in per} == {0}
+    assert {p for per in routes[kb].values() for p in per} == {1}
+    assert {p for per in routes[kc].values() for p in per} == {0, 1}
+    assert digest_of(ka) == d and route_key(d) == d
 
 
 def test_routes_follow_pipeline_ownership_and_split_expert_parallel_groups() -> None:

@@ -68,7 +68,7 @@ class Consumer:
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 device: str | None = None, switch_interval_s: float | None = 0.0002):
+                 device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = ""):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
@@ -82,6 +82,8 @@ class Consumer:
         """False: one puller, group by group in transfer order, each group's producers one after the other (PP
         stages served serially; kept as the reference the benchmark compares against)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
+        self.node = node
+        """Where this consumer runs ("" = unknown): producers on the same node serve it first where they can."""
         self.switch_interval_s = switch_interval_s
         """While a sync runs, the GIL switch interval (and the cyclic GC paused); None: leave them
         (``engine/lanes.hot_path``)."""
@@ -130,7 +132,7 @@ class Consumer:
                                     f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
             self.slots = [torch.empty(slot, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
             routes = _expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
-                                                            plan=self.plan.to_json()),
+                                                            plan=self.plan.to_json(), node=self.node),
                                              timeout_s=self.init_timeout_s + 5), m.Routes, peer)
             self.routes = routes.routes
         except BaseException as e:  # tell the coordinator now: init must not wait for this consumer
@@ -149,7 +151,8 @@ class Consumer:
         """Our lease expired (we were paused or cut off): join again with the plan we have."""
         with self._lock:
             w = _expect(self.coord.call(m.Hello(consumer=self.id), timeout_s=self.timeout_s), m.Welcome, "coordinator")
-            r = _expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=w.session, plan=self.plan.to_json()),
+            r = _expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=w.session, plan=self.plan.to_json(),
+                                                       node=self.node),
                                         timeout_s=self.timeout_s), m.Routes, "coordinator")
             self.session, self.routes = w.session, r.routes
             assert self.heartbeat is not None

@@ -51,6 +51,8 @@ class Join(_M):
     address: list[Any]
     held: list[str] | None
     meta_digest: str
+    node: str = ""
+    """Where this producer runs (a Ray node id, a hostname): consumers on the same node are routed to it first."""
 
 
 class Joined(_M):
@@ -108,6 +110,8 @@ class RegisterPlan(_M):
     consumer: str
     session: str
     plan: bytes
+    node: str = ""
+    """Where this consumer runs: with a node, its plan is routed for that node (same-node producers first)."""
 
 
 class Routes(_M):

@@ -29,7 +29,7 @@ from . import control as m
 from .membership import Membership
 from ..errors import MetadataMismatch, NotMember, PlanError, ProducerLost, SyncError, TransportError
 from ..plan.checks import check_plan
-from ..plan.route import holders_from_ownership, route_plans
+from ..plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from ..types import ParamMeta, Plan, metadata_digest
 
 
@@ -100,10 +100,11 @@ class Coordinator:
         if len(reg) < self.n_consumers and not (grace and len(reg) >= self.min_consumers):
             return
         count: dict[str, int] = defaultdict(int)
-        for d in reg.values():
-            count[d] += 1
+        for k in reg.values():
+            count[k] += 1
         try:
-            self.routes, self.load = route_plans(self.plans, self.holders(), count, max_chunk_bytes=self.max_chunk_bytes)
+            self.routes, self.load = route_plans({k: self.plans[digest_of(k)] for k in count}, self.holders(), count,
+                                                 max_chunk_bytes=self.max_chunk_bytes, prefer=self._prefer(count))
         except Exception as e:
             self.failed = e
         self.cv.notify_all()
@@ -121,7 +122,7 @@ class Coordinator:
         if not 0 <= msg.rank < self.n_producers:
             raise MetadataMismatch(f"producer rank {msg.rank} is outside 0..{self.n_producers - 1}")
         with self.cv:
-            inc = self.ms.join(msg.rank, msg.address, msg.held)
+            inc = self.ms.join(msg.rank, msg.address, msg.held, msg.node)
             self.cv.notify_all()
         return m.Joined(incarnation=inc)
 
@@ -161,21 +162,30 @@ class Coordinator:
             self.ms.check(msg.consumer, msg.session)
         if plan.digest not in self.plans:
             check_plan(plan, self.metadata)  # a forged plan is refused here, naming the consumer
+        key = route_key(plan.digest, msg.node)
         with self.cv:
-            self.ms.register(msg.consumer, msg.session, plan.digest)
-            if plan.digest not in self.plans:
-                self.plans[plan.digest] = plan
-                if self.routes is not None:  # a rejoiner with a new plan: route it against the current load
-                    self._route_late(plan)
+            self.ms.register(msg.consumer, msg.session, key)
+            self.plans.setdefault(plan.digest, plan)
+            if self.routes is not None and key not in self.routes:  # a rejoiner with a new plan (or node): route it
+                self._route_late(plan, key)                          # against the current load
             self.cv.notify_all()
             self._wait(lambda: self.routes is not None, self._missing, self.init_timeout_s, init=True)
             assert self.routes is not None  # internal invariant: _wait returned after routing
-            return m.Routes(routes=self.routes[plan.digest])
+            return m.Routes(routes=self.routes[key])
 
-    def _route_late(self, plan: Plan) -> None:
+    def _prefer(self, keys) -> dict[str, frozenset[int]]:
+        """Route key -> the producers on that key's node (rule 5 of ``plan/route.py``)."""
+        out = {}
+        for k in keys:
+            node = k.split("@", 1)[1] if "@" in k else ""
+            if node:
+                out[k] = frozenset(r for r, p in self.ms.producers.items() if p.node == node)
+        return out
+
+    def _route_late(self, plan: Plan, key: str) -> None:
         assert self.routes is not None
-        routes, load = route_plans({plan.digest: plan}, self.holders(), {plan.digest: 1},
-                                   max_chunk_bytes=self.max_chunk_bytes, base_load=self.load)
+        routes, load = route_plans({key: plan}, self.holders(), {key: 1}, max_chunk_bytes=self.max_chunk_bytes,
+                                   base_load=self.load, prefer=self._prefer([key]))
         self.routes.update(routes)
         self.load = load
         self.epoch += 1
@@ -185,7 +195,7 @@ class Coordinator:
             self._wait(lambda: self.routes is not None, self._missing, self.init_timeout_s, init=True)
             assert self.routes is not None
             return m.Assignments(held=[self.ms.producers[p].held for p in range(self.n_producers)],
-                                 plans=[self.plans[d].to_json() for d in sorted(self.routes)],
+                                 plans=[self.plans[d].to_json() for d in sorted({digest_of(k) for k in self.routes})],
                                  routes=dict(self.routes), epoch=self.epoch)
 
     def _on_ProducerReady(self, msg: m.ProducerReady) -> m.Msg:

@@ -48,6 +48,7 @@ class _Producer:
     lease_until: float
     desc: dict[str, Any] | None = None
     ready_version: int = -2
+    node: str = ""
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Membership:
         raise AuthError(f"session credential does not belong to consumer {cid!r}")
 
     def register(self, cid: str, session: str, digest: str) -> None:
+        """``digest``: the consumer's route key (its plan's digest, ``@node`` where routing is node-aware)."""
         self.check(cid, session).digest = digest
 
     def renew_consumer(self, cid: str, session: str) -> None:
@@ -128,10 +130,10 @@ class Membership:
                                                          f"no heartbeat for {self.lease_s:g} s")
 
     # -------------------------------------------------------------- producers
-    def join(self, rank: int, address: list[Any], held: list[str] | None) -> int:
+    def join(self, rank: int, address: list[Any], held: list[str] | None, node: str = "") -> int:
         old = self.producers.get(rank)
         inc = 0 if old is None else old.incarnation + 1
-        self.producers[rank] = _Producer(inc, address, held, self.clock() + self.lease_s)
+        self.producers[rank] = _Producer(inc, address, held, self.clock() + self.lease_s, node=node)
         self.dead_producers.pop(rank, None)
         return inc
 

@@ -96,6 +96,9 @@ class ProducerConfig:
     switch_interval_s: float | None = 0.0002
     """While a sync runs, the process's GIL switch interval (and the cyclic GC is paused); restored afterwards.
     None leaves the interpreter alone (see ``engine/lanes.hot_path``)."""
+    node: str = ""
+    """Where this rank runs (a Ray node id, a hostname; "" = unknown): consumers that say they run on the same node
+    read from it first (``plan/route.py`` rule 5)."""
     gather_budget_bytes: int | None = None
     """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
     the source's largest gather group (plus what must be carried across groups) does not fit."""
@@ -177,7 +180,7 @@ class Producer(ServedVersions):
         self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
                                       max_frame_bytes=cfg.max_frame_bytes)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
-                            meta_digest=metadata_digest(self.metas))
+                            meta_digest=metadata_digest(self.metas), node=cfg.node)
         self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
         if cfg.rank != 0:
             self.heartbeat = Heartbeat(coord, cfg.token, m.Renew(rank=cfg.rank, incarnation=self.incarnation),

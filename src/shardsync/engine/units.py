@@ -17,7 +17,7 @@ from . import control as m
 from .schedule import Lockstep, lockstep
 from ..errors import TransportError
 from ..plan.pack import Chunk, GroupPacker, _align
-from ..plan.route import chunk_layouts, holders_from_ownership
+from ..plan.route import chunk_layouts, digest_of, holders_from_ownership
 from ..types import ParamMeta, Plan
 
 __all__ = ["Unit", "build_units"]
@@ -43,12 +43,13 @@ def build_units(asg: Any, metas: list[ParamMeta], source: Any, *, rank: int,
     holders = holders_from_ownership(asg.held, [x.name for x in metas])
     units: dict[str, list[Unit]] = defaultdict(list)
     slot_end: dict[str, int] = defaultdict(int)  # units of every plan share their group's slot
-    for d, routes in sorted(asg.routes.items()):
-        layouts = chunk_layouts(plans[d], holders, max_chunk_bytes=max_chunk_bytes)
+    for d, routes in sorted(asg.routes.items()):  # d: a route key (a plan digest, per node where node-aware)
+        plan = plans[digest_of(d)]
+        layouts = chunk_layouts(plan, holders, max_chunk_bytes=max_chunk_bytes)
         for g, per_chunk in routes.items():
             for ci, p in enumerate(per_chunk):
                 if p == rank:
-                    lay, gp = layouts[g], plans[d].group(g)
+                    lay, gp = layouts[g], plan.group(g)
                     c = lay.chunks[ci]
                     srcs = frozenset(s.src for s in gp.scatters[c.first:c.stop])
                     units[g].append(Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))

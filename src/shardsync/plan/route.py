@@ -10,6 +10,9 @@ Rules:
    busiest producer), ties broken by the whole-sync load; bytes counted as sent (bytes × consumers
    sharing the plan).
 4. A needed source with no holder fails with MetadataMismatch naming it.
+5. Node-aware: routes are per route key — a plan digest, or ``digest@node`` for consumers that said where
+   they run; ``prefer[key]`` (the producers on that node) wins over load among a chunk's holders, so a
+   consumer reads from a producer on its own node whenever one holds the bytes.
 
     routes = route_plans(plans_by_digest, holders, n_consumers_by_digest)
 """
@@ -17,16 +20,25 @@ Rules:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from ..errors import MetadataMismatch
 from .pack import DEFAULT_CHUNK_BYTES, GroupLayout, layout_group
 from ..types import Plan
 
-__all__ = ["holders_from_ownership", "chunk_layouts", "route_plans", "Routes"]
+__all__ = ["holders_from_ownership", "chunk_layouts", "route_plans", "Routes", "route_key", "digest_of"]
 
 Routes = dict[str, dict[str, list[int]]]
 """plan digest -> group -> producer per chunk."""
+
+
+def route_key(digest: str, node: str = "") -> str:
+    """What routes are keyed by: the plan digest, per node when the consumer gave one (rule 5)."""
+    return f"{digest}@{node}" if node else digest
+
+
+def digest_of(key: str) -> str:
+    return key.split("@", 1)[0]
 
 
 def holders_from_ownership(held: Sequence[Sequence[str] | None], names: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -52,9 +64,11 @@ def chunk_layouts(plan: Plan, holders: Mapping[str, Sequence[int]], *,
 
 def route_plans(plans: Mapping[str, Plan], holders: Mapping[str, Sequence[int]], consumers_per_plan: Mapping[str, int],
                 *, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                base_load: Mapping[int, int] | None = None) -> tuple[Routes, dict[int, int]]:
-    """Assign every chunk of every distinct plan to a producer. Returns (routes, bytes sent per producer).
-    ``base_load``: bytes each producer already sends (routing a late joiner's plan against the others)."""
+                base_load: Mapping[int, int] | None = None,
+                prefer: Mapping[str, Collection[int]] | None = None) -> tuple[Routes, dict[int, int]]:
+    """Assign every chunk of every distinct plan (route key -> plan) to a producer. Returns (routes, bytes sent
+    per producer). ``base_load``: bytes each producer already sends (routing a late joiner's plan against the
+    others). ``prefer``: route key -> producers to use first when they hold a chunk (rule 5)."""
     units = []  # (bytes sent, digest, group, holder set, chunk indices)
     layouts = {d: chunk_layouts(p, holders, max_chunk_bytes=max_chunk_bytes) for d, p in plans.items()}
     routes: Routes = {d: {g: [-1] * len(lay.chunks) for g, lay in ls.items()} for d, ls in layouts.items()}
@@ -71,7 +85,8 @@ def route_plans(plans: Mapping[str, Plan], holders: Mapping[str, Sequence[int]],
     load: dict[int, int] = defaultdict(int, base_load or {})
     group_load: dict[tuple[str, int], int] = defaultdict(int)
     for nb, digest, gname, hs, idx in sorted(units, key=lambda u: (-u[0], u[1], u[2], u[3])):
-        p = min(hs, key=lambda q: (group_load[(gname, q)], load[q], q))
+        near = (prefer or {}).get(digest) or ()
+        p = min(hs, key=lambda q: (q not in near, group_load[(gname, q)], load[q], q))
         load[p] += nb
         group_load[(gname, p)] += nb
         for i in idx:

@@ -57,7 +57,8 @@ class VersionedSource:
     """Factory for a trainer rank's source whose weights change every step (seed = version)."""
 
     @staticmethod
-    def make(spec: dict, rank: int, n: int):
+    def make(spec: dict, rank: int, n: int, *, replicated: bool = False):
+        """Rank ``rank`` of ``n``: a PP share of the layers, or (``replicated``, data-parallel ranks) everything."""
         if spec["kind"] == "megatron":
             return MegatronRank(spec, rank, n)
         if spec["kind"] == "fsdp":
@@ -73,7 +74,7 @@ class VersionedSource:
                 sd = at(v)
                 self._state = {k: sd[k] for k in names}
 
-        return Source(first, held=pp_share(names, rank, n))
+        return Source(first, held=None if replicated else pp_share(names, rank, n))
 
 
 def _die() -> None:

@@ -18,9 +18,10 @@ from .cluster_procs import VersionedSource
 
 @ray.remote(num_cpus=0)
 class ZooTrainer:
-    def __init__(self, cfg: dict, rank: int, n: int, *, group: str, n_consumers: int, **pcfg: Any):
+    def __init__(self, cfg: dict, rank: int, n: int, *, group: str, n_consumers: int, replicated: bool = False,
+                 **pcfg: Any):
         torch.set_num_threads(1)
-        self.source = VersionedSource.make({"kind": "zoo", "cfg": cfg}, rank, n)
+        self.source = VersionedSource.make({"kind": "zoo", "cfg": cfg}, rank, n, replicated=replicated)
         self.producer = start_producer(self.source, group=group, rank=rank, n_producers=n, n_consumers=n_consumers,
                                        **pcfg)
 
@@ -66,7 +67,8 @@ class ZooEngine:
     def sync(self, version: int) -> dict[str, Any]:
         try:
             r = self.consumer.sync(version)
-            return {"ok": True, "version": version, "bytes_received": r["bytes_received"]}
+            return {"ok": True, "version": version, "bytes_received": r["bytes_received"],
+                    "pulled_from": r["pulled_from"]}
         except Exception as e:
             return {"ok": False, "error": f"{type(e).__name__}: {e}", "torn": self.consumer.torn}
 

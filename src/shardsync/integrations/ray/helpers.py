@@ -1,6 +1,8 @@
 """Start shardsync's producers and consumers inside Ray actors, wired to each other through the group registry.
 
-Every process binds to its node's address (``ray.util.get_node_ip_address()``) on a free port; producer 0
+Every process binds to its node's address (``ray.util.get_node_ip_address()``) on a free port and tells the
+coordinator its Ray node id, so that an engine reads from a producer on its own node whenever one holds the
+bytes (``plan/route.py`` rule 5); producer 0
 publishes its coordinator address, a fresh token and the transport under the group's name; other producers
 and every engine look them up. A dead engine actor is dropped from the sync in progress once its lease
 expires (``lease_s``) and rejoins at the next version when it is restarted under the same consumer id (the
@@ -34,6 +36,7 @@ def start_producer(source: Any, *, group: str, rank: int, n_producers: int, n_co
     """A producer for this trainer actor (not yet ``init()``-ed: init waits for the consumers). ``cfg``: any other
     :class:`ProducerConfig` field (``lease_s``, ``lookahead``, ``device``, ...)."""
     host = ray.util.get_node_ip_address()
+    cfg.setdefault("node", ray.get_runtime_context().get_node_id())  # same-node consumers read from it first
     if rank == 0:
         token = cfg.pop("token", None) or secrets.token_hex(16)
         p = Producer(source, ProducerConfig(rank=0, n_producers=n_producers, n_consumers=n_consumers, token=token,
@@ -51,6 +54,7 @@ def start_consumer(consumer_id: str, *, group: str, record: Any, apply: Any, loo
                    **kw: Any) -> Consumer:
     """A consumer for an engine of your own (``record``/``apply`` as for :class:`Consumer`), not yet ``init()``-ed."""
     info = lookup(group, timeout_s=lookup_timeout_s)
+    kw.setdefault("node", ray.get_runtime_context().get_node_id())
     return Consumer(consumer_id, info["coordinator"], token=info["token"], record=record, apply=apply,
                     transport=kw.pop("transport", info["transport"]), **kw)
 
