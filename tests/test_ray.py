@@ -10,10 +10,11 @@ import pytest
 import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
-from shardsync.tools.ray_actors import ZooEngine, ZooTrainer
+from shardsync.tools.ray_actors import TrainerRank, VllmEngine, ZooEngine
 from shardsync.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
+ZOO = {"kind": "zoo", "cfg": CFG}
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def local_ray():
 
 def _sync(trainers, engines, v):
     refs = [t.sync.remote(v) for t in trainers] + [e.sync.remote(v) for e in engines]
-    out = ray.get(refs, timeout=120)
+    out = ray.get(refs, timeout=600)
     return out[:len(trainers)], out[len(trainers):]
 
 
@@ -33,7 +34,7 @@ def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine
     """The lease is long (30 s): the killed actor is dropped at once because the watch sees Ray's actor death."""
     group = "policy-test"
     kw = dict(group=group, n_consumers=2, lease_s=30.0, timeout_s=60)
-    trainers = [ZooTrainer.remote(CFG, r, 2, **kw) for r in range(2)]
+    trainers = [TrainerRank.remote(ZOO, r, 2, **kw) for r in range(2)]
     ids = ["r0/tp0", "r0/tp1"]
     engines = [ZooEngine.remote(ids[r], CFG, 2, r, group=group, timeout_s=60) for r in range(2)]
     try:
@@ -74,6 +75,32 @@ def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine
         forget(group)
 
 
+def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_ray, tmp_path) -> None:
+    """A real vLLM engine inside a Ray actor (its own executor: vLLM's Ray executor refuses the CPU platform) finds
+    the group by name; after each sync it equals a FRESH engine started on the trainer's weights of that version."""
+    from shardsync.integrations.vllm.checkpoints import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
+    group = "policy-vllm"
+    spec = {"kind": "checkpoint", "path": ckpt}
+    trainers = [TrainerRank.remote(spec, r, 2, group=group, n_consumers=1, timeout_s=300) for r in range(2)]
+    engine = VllmEngine.remote(ckpt, "vllm-ray", group=group)
+    try:
+        ray.get([a.init.remote() for a in [*trainers, engine]], timeout=600)
+        for v in (1, 2):
+            tr, (en,) = _sync(trainers, [engine], v)
+            assert en["ok"] and sum(t["bytes_sent"] for t in tr) == en["bytes_received"] > 0, (tr, en)
+            chk = ray.get(engine.check.remote(v), timeout=600)
+            assert chk["exact"] and chk["compared"] > 20, chk
+    finally:
+        for a in [engine, *trainers]:
+            try:
+                ray.get(a.close.remote(), timeout=60)
+            except Exception:
+                pass
+        forget(group)
+
+
 def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_node() -> None:
     """A local cluster of raylets: data-parallel trainer ranks on nodes A and B (each holds every tensor), engines on
     A, B and C. The engines on A and B read only from their node's producer; C's is balanced. C's raylet is removed
@@ -89,7 +116,7 @@ def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_
     group = "policy-nodes"
     trainers, engines, watch = [], {}, None
     try:
-        trainers = [ZooTrainer.options(resources={n: 1}).remote(CFG, r, 2, group=group, n_consumers=3, lease_s=30.0,
+        trainers = [TrainerRank.options(resources={n: 1}).remote(ZOO, r, 2, group=group, n_consumers=3, lease_s=30.0,
                                                                    timeout_s=60, replicated=True)
                     for r, n in enumerate(("A", "B"))]
 

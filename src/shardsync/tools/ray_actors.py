@@ -1,5 +1,7 @@
-"""Ray actors for tests and demos: zoo trainer ranks (a PP share each, weights = seed of the version) and zoo
-engines (vLLM loader semantics) that sync through ``integrations/ray``; an engine checks itself byte for byte."""
+"""Ray actors for tests and demos, syncing through ``integrations/ray``: trainer ranks (a PP share each, or
+everything when data-parallel; the weights of version v are the spec's, as in ``cluster_procs``), zoo engines
+(vLLM loader semantics) and real vLLM engines (an ``LLM`` inside the actor, pull mode); engines check themselves
+byte for byte (a vLLM engine against a FRESH engine started on the same weights)."""
 
 from __future__ import annotations
 
@@ -17,11 +19,11 @@ from .cluster_procs import VersionedSource
 
 
 @ray.remote(num_cpus=0)
-class ZooTrainer:
-    def __init__(self, cfg: dict, rank: int, n: int, *, group: str, n_consumers: int, replicated: bool = False,
+class TrainerRank:
+    def __init__(self, spec: dict, rank: int, n: int, *, group: str, n_consumers: int, replicated: bool = False,
                  **pcfg: Any):
         torch.set_num_threads(1)
-        self.source = VersionedSource.make({"kind": "zoo", "cfg": cfg}, rank, n, replicated=replicated)
+        self.source = VersionedSource.make(spec, rank, n, replicated=replicated)
         self.producer = start_producer(self.source, group=group, rank=rank, n_producers=n, n_consumers=n_consumers,
                                        **pcfg)
 
@@ -83,3 +85,36 @@ class ZooEngine:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+@ray.remote(num_cpus=0)
+class VllmEngine:
+    """One real vLLM engine (TP ``tp``, its own executor inside this actor: vLLM's Ray executor does not run on CPU)
+    whose workers pull from the group's producers."""
+
+    def __init__(self, model_dir: str, replica: str, *, group: str, tp: int = 1, timeout_s: float = 300.0):
+        from ..integrations.ray import lookup
+        from ..integrations.vllm.replicas import VllmReplicas
+
+        info = lookup(group)
+        self.model_dir = model_dir
+        self.reps = VllmReplicas(model_dir, replicas=1, tp=tp, coordinator=info["coordinator"], token=info["token"],
+                                 transport=info["transport"], timeout_s=timeout_s)
+        self.reps.init_info[0]["replica"] = replica
+
+    def init(self) -> bool:
+        self.reps.init()
+        return True
+
+    def sync(self, version: int) -> dict[str, Any]:
+        self.reps.sync(version)
+        return {"ok": True, "version": version, "bytes_received": sum(s["bytes_received"] for s in self.reps.status())}
+
+    def check(self, version: int) -> dict[str, Any]:
+        from ..integrations.vllm.checkpoints import load_checkpoint, perturb
+
+        exact, bad, n = self.reps.check_against_fresh(perturb(load_checkpoint(self.model_dir), version))
+        return {"exact": exact, "mismatched": bad[:5], "compared": n}
+
+    def close(self) -> None:
+        self.reps.close()
