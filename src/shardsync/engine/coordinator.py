@@ -162,6 +162,9 @@ class Coordinator:
             self.ms.check(msg.consumer, msg.session)
         if plan.digest not in self.plans:
             check_plan(plan, self.metadata)  # a forged plan is refused here, naming the consumer
+        if len(msg.node) > 128 or "@" in msg.node:
+            raise PlanError(f"consumer {msg.consumer!r}: node name {msg.node[:40]!r}... is not a node id (at most 128 "
+                            "characters, no '@')")
         key = route_key(plan.digest, msg.node)
         with self.cv:
             self.ms.register(msg.consumer, msg.session, key)
@@ -177,7 +180,7 @@ class Coordinator:
         """Route key -> the producers on that key's node (rule 5 of ``plan/route.py``)."""
         out = {}
         for k in keys:
-            node = k.split("@", 1)[1] if "@" in k else ""
+            node = k.partition("@")[2]
             if node:
                 out[k] = frozenset(r for r, p in self.ms.producers.items() if p.node == node)
         return out
