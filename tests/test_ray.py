@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
-from shardsync.tools.ray_actors import TrainerRank, VllmEngine, ZooEngine
+from shardsync.tools.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine
 from shardsync.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
@@ -66,6 +66,46 @@ def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine
         checks = ray.get([e.check.remote() for e in engines])
         assert all(c["mismatched"] == [] and c["version"] == 4 for c in checks), checks
         watch.stop()
+    finally:
+        for a in engines + trainers:
+            try:
+                ray.get(a.close.remote(), timeout=10)
+            except Exception:
+                pass
+        forget(group)
+
+
+def test_rdt_transport_contract_between_actors(local_ray) -> None:
+    """Ray Direct Transport (NIXL): exact ranges into the consumer's buffer, typed range errors, a killed producer
+    actor fails the next read with TransportError (never a hang)."""
+    n = 3 * (1 << 20) + 123
+    prod = RdtBuffer.remote(n)
+    reader = RdtReader.remote(ray.get(prod.register.remote(), timeout=60))
+    for off, k in [(0, 0), (0, 64), (7, 1001), (n - 5, 5), (0, n), (1 << 20, 2 << 20)]:
+        assert ray.get(reader.read.remote(off, k), timeout=120) == ("ok", True), (off, k)
+    kind, err = ray.get(reader.read.remote(n - 10, 11), timeout=60)
+    assert kind == "error" and err.startswith("TransportError") and "outside producer 0" in err, err
+    ray.kill(prod)
+    t0 = time.monotonic()
+    kind, err = ray.get(reader.read.remote(0, 1 << 20, 10.0), timeout=60)
+    assert kind == "error" and err.startswith("TransportError") and "producer 0" in err, err
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("transport", ["rdt"])
+def test_trainer_actors_to_engine_actors_over_ray_direct_transport(local_ray, transport: str) -> None:
+    group = f"policy-{transport}"
+    trainers = [TrainerRank.remote(ZOO, r, 2, group=group, n_consumers=2, transport=transport, timeout_s=60)
+                for r in range(2)]
+    engines = [ZooEngine.remote(f"r0/tp{r}", CFG, 2, r, group=group, timeout_s=60) for r in range(2)]
+    try:
+        ray.get([a.init.remote() for a in trainers + engines], timeout=180)
+        for v in (1, 2):
+            tr, en = _sync(trainers, engines, v)
+            assert all(e["ok"] for e in en), en
+            assert sum(t["bytes_sent"] for t in tr) == sum(e["bytes_received"] for e in en) > 0
+            checks = ray.get([e.check.remote() for e in engines])
+            assert all(c["mismatched"] == [] and c["version"] == v for c in checks), checks
     finally:
         for a in engines + trainers:
             try:

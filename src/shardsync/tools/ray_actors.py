@@ -10,7 +10,10 @@ from typing import Any
 import ray
 import torch
 
+from ..errors import TransportError
 from ..integrations.ray import start_consumer, start_producer
+from ..transport import make_transport
+from ..transport.rdt import RdtServing
 from ..plan.pack import GroupUnpacker, layout_group
 from ..plan.record import record_plan
 from ..plan.validate import mismatched
@@ -18,8 +21,8 @@ from ..zoo import ZooConfig, ZooModel, hf_state_dict
 from .cluster_procs import VersionedSource
 
 
-@ray.remote(num_cpus=0)
-class TrainerRank:
+@ray.remote(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)  # rdt reads run while sync() does
+class TrainerRank(RdtServing):
     def __init__(self, spec: dict, rank: int, n: int, *, group: str, n_consumers: int, replicated: bool = False,
                  **pcfg: Any):
         torch.set_num_threads(1)
@@ -118,3 +121,38 @@ class VllmEngine:
 
     def close(self) -> None:
         self.reps.close()
+
+
+def pattern(n: int) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.int64) * 7 % 251).to(torch.uint8)
+
+
+@ray.remote(num_cpus=0, enable_tensor_transport=True)
+class RdtBuffer(RdtServing):
+    """A producer actor serving a byte pattern through the rdt transport (its contract test)."""
+
+    def __init__(self, n: int):
+        self.t, self.buf = make_transport("rdt"), pattern(n)
+
+    def register(self) -> dict[str, Any]:
+        return self.t.register(self.buf)
+
+
+@ray.remote(num_cpus=0)
+class RdtReader:
+    """A consumer actor reading ranges through the rdt transport: ("ok", exact?) or ("error", "Type: message")."""
+
+    def __init__(self, desc: dict[str, Any]):
+        self.t = make_transport("rdt")
+        self.t.connect(0, desc)
+        self.n = int(desc["nbytes"])
+
+    def read(self, off: int, n: int, timeout_s: float = 30.0) -> tuple[str, Any]:
+        into = torch.zeros(n + 3, dtype=torch.uint8)
+        try:
+            self.t.read(0, off, n, into, timeout_s=timeout_s)
+        except TransportError as e:
+            return "error", f"TransportError: {e}"
+        except Exception as e:
+            return "error", f"{type(e).__name__}: {e}"
+        return "ok", bool(torch.equal(into[:n], pattern(self.n)[off: off + n]) and not into[n:].any())

@@ -68,6 +68,7 @@ TRANSPORTS = {
     "cuda_ipc": ("shardsync.transport.cuda_ipc", "CudaIpcTransport"),
     "nccl": ("shardsync.transport.nccl", "NcclTransport"),
     "auto": ("shardsync.transport.auto", "AutoTransport"),
+    "rdt": ("shardsync.transport.rdt", "RdtTransport"),
 }
 
 
