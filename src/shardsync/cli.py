@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the trainer-side export step by step on a Megatron TP2·PP2·EP2 trainer -> TP2 replica: "
                         "v1 gather everything everywhere, v2 PP/EP-local gathers, v3 + pipelined, v4 + PP stages "
                         "in parallel (absent: shardsync vs baseline)")
+    b.add_argument("--ray", action="store_true",
+                   help="trainer and engines as Ray actors on a local Ray instance, per transport: tcp, nixl and "
+                        "Ray Direct Transport (rdt) side by side")
     b.add_argument("--json", action="store_true")
     c = sub.add_parser("chaos", help="random real faults (kill -9, SIGSTOP, producer death, forged plans, bad frames) "
                                      "while syncs go on; every sync checked byte for byte")
@@ -105,6 +108,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "bench":
         from .tools.bench import run_bench, run_bench_vllm
 
+        if args.ray:
+            from .tools.ray_bench import run_ray_bench
+
+            r = run_ray_bench(model=args.model, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
+                              as_json=args.json)
+            return 0 if r["exact"] else 1
         if args.mode:
             from .tools.bench_modes import run_bench_modes
 
