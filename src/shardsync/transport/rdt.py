@@ -66,6 +66,15 @@ class RdtServing:
         return buf[offset: offset + nbytes]
 
 
+def _pin(ray: Any, t: torch.Tensor) -> None:
+    """Register ``t``'s memory with NIXL for the life of the process (by default Ray registers each RDT object's
+    memory and deregisters it when the object goes: concurrent reads of views of one buffer then race)."""
+    try:
+        ray.experimental.register_nixl_memory(t)
+    except Exception as e:
+        raise TransportError(f"rdt: cannot register {t.numel()} bytes with NIXL: {e}") from None
+
+
 class RdtTransport:
     name = "rdt"
     caps = Caps(one_sided=True, gpu=True, can_abort=True)
@@ -73,6 +82,7 @@ class RdtTransport:
     def __init__(self) -> None:
         self._keys: list[str] = []
         self._peers: dict[int, tuple[Any, str, int]] = {}
+        self._pinned: dict[int, torch.Tensor] = {}
 
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
         ray = _ray()
@@ -86,6 +96,7 @@ class RdtTransport:
             raise TransportError("rdt: the producer's actor class must inherit shardsync.transport.rdt.RdtServing "
                                  "(and be declared @ray.remote(enable_tensor_transport=True))")
         key = uuid.uuid4().hex
+        _pin(ray, buf)  # registered once for the process: reads of overlapping views never deregister it
         with _LOCK:
             _BUFFERS[key] = buf
         self._keys.append(key)
@@ -112,6 +123,11 @@ class RdtTransport:
         ray = _ray()
         what = f"rdt: read [{offset}, {offset + nbytes}) from producer {producer}"
         dst = into[:nbytes]
+        st = into.untyped_storage()
+        if st.data_ptr() not in self._pinned:  # a receive buffer: its whole allocation registered once
+            whole = torch.empty(0, dtype=torch.uint8, device=into.device).set_(st)
+            _pin(ray, whole)
+            self._pinned[st.data_ptr()] = whole
         try:
             ref = handle.shardsync_rdt_read.remote(key, offset, nbytes)
             ray.experimental.set_target_for_ref(ref, [dst])
