@@ -125,8 +125,7 @@ class NcclTransport:
             torch.cuda.set_device(buf.device)
         with conn:
             try:
-                if not token_ok(conn, self.token, self.auth_timeout_s):
-                    self.refused += 1
+                if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
                     return
                 key = recv_exact(conn, _KEY).decode()
                 pg = _pair_group(self.backend, self._store, key, 0, self.connect_timeout_s)
@@ -147,6 +146,9 @@ class NcclTransport:
                 log.exception("nccl transport: serving thread failed")
                 if pg is not None:
                     _abort(pg)
+
+    def _refuse(self) -> None:
+        self.refused += 1
 
     # ------------------------------------------------------------ consumer
     def connect(self, producer: int, desc: dict[str, Any]) -> None:

@@ -70,12 +70,15 @@ def accept_loop(server: socket.socket, closed: threading.Event, serve: Any, name
         threading.Thread(target=serve, args=(conn,), name=name, daemon=True).start()
 
 
-def token_ok(conn: socket.socket, token: str, timeout_s: float) -> bool:
+def token_ok(conn: socket.socket, token: str, timeout_s: float, on_refused: Any = None) -> bool:
     """The server side of the data plane's handshake: the peer's token (length capped, a silent peer times out)
-    compared in constant time; answers OK or ERR."""
+    compared in constant time; answers OK or ERR (``on_refused()`` runs before the ERR goes out, so a peer that
+    sees the refusal also sees it counted)."""
     conn.settimeout(timeout_s)
     (n,) = struct.unpack("!H", recv_exact(conn, 2))
     if n > _MAX_TOKEN or not hmac.compare_digest(recv_exact(conn, n), token.encode()):
+        if on_refused is not None:
+            on_refused()
         conn.sendall(_ERR)
         return False
     conn.sendall(_OK)
@@ -125,8 +128,7 @@ class TcpTransport:
         mv = memoryview(self._buf.numpy())
         with conn:
             try:
-                if not token_ok(conn, self.token, self.auth_timeout_s):
-                    self.refused += 1
+                if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
                     return
                 conn.settimeout(self.idle_timeout_s)
                 while not self._closed.is_set():
@@ -140,6 +142,9 @@ class TcpTransport:
                 return  # peer gone, idle, or closing
             except Exception:  # never die silently
                 log.exception("tcp transport: serving thread failed")
+
+    def _refuse(self) -> None:
+        self.refused += 1
 
     # ------------------------------------------------------------ consumer
     def connect(self, producer: int, desc: dict[str, Any], *, timeout_s: float = 30.0) -> None:
