@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
-from shardsync.tools.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine
+from shardsync.tools.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
 from shardsync.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
@@ -67,12 +67,7 @@ def test_trainer_actors_to_engine_actors_by_group_name_exact_and_a_killed_engine
         assert all(c["mismatched"] == [] and c["version"] == 4 for c in checks), checks
         watch.stop()
     finally:
-        for a in engines + trainers:
-            try:
-                ray.get(a.close.remote(), timeout=10)
-            except Exception:
-                pass
-        forget(group)
+        close_actors(engines + trainers, group)
 
 
 def test_rdt_transport_contract_between_actors(local_ray) -> None:
@@ -107,12 +102,7 @@ def test_trainer_actors_to_engine_actors_over_ray_direct_transport(local_ray, tr
             checks = ray.get([e.check.remote() for e in engines])
             assert all(c["mismatched"] == [] and c["version"] == v for c in checks), checks
     finally:
-        for a in engines + trainers:
-            try:
-                ray.get(a.close.remote(), timeout=10)
-            except Exception:
-                pass
-        forget(group)
+        close_actors(engines + trainers, group)
 
 
 def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_ray, tmp_path) -> None:
@@ -133,12 +123,7 @@ def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_r
             chk = ray.get(engine.check.remote(v), timeout=600)
             assert chk["exact"] and chk["compared"] > 20, chk
     finally:
-        for a in [engine, *trainers]:
-            try:
-                ray.get(a.close.remote(), timeout=60)
-            except Exception:
-                pass
-        forget(group)
+        close_actors([engine, *trainers], group, timeout_s=60)
 
 
 def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_node() -> None:

@@ -123,6 +123,21 @@ class VllmEngine:
         self.reps.close()
 
 
+def close_actors(actors: list, group: str, *, timeout_s: float = 10.0, kill: bool = False) -> None:
+    """Close each actor's producer or consumer (bounded: a dead actor is skipped), optionally kill it, and forget
+    the group's registry entry."""
+    from ..integrations.ray import forget
+
+    for a in actors:
+        try:
+            ray.get(a.close.remote(), timeout=timeout_s)
+        except Exception:
+            pass
+        if kill:
+            ray.kill(a)
+    forget(group)
+
+
 def pattern(n: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.int64) * 7 % 251).to(torch.uint8)
 

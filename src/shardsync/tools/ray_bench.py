@@ -20,8 +20,7 @@ def run_ray_bench(*, model: str = "qwen3-moe-bench", replicas: int = 2, tp: int 
                   transports: tuple[str, ...] = ("tcp", "nixl", "rdt"), as_json: bool = False) -> dict[str, Any]:
     import ray
 
-    from ..integrations.ray import forget
-    from .ray_actors import TrainerRank, ZooEngine
+    from .ray_actors import TrainerRank, ZooEngine, close_actors
 
     cfg = asdict(PRESETS[model])
     spec = {"kind": "zoo", "cfg": cfg}
@@ -50,13 +49,7 @@ def run_ray_bench(*, model: str = "qwen3-moe-bench", replicas: int = 2, tp: int 
                                         "bytes_per_sync": got,
                                         "exact": all(c["mismatched"] == [] for c in checks)}
             finally:
-                for a in engines + trainers:
-                    try:
-                        ray.get(a.close.remote(), timeout=30)
-                    except Exception:
-                        pass
-                    ray.kill(a)
-                forget(group)
+                close_actors(engines + trainers, group, timeout_s=30, kill=True)
             r = out["transports"][t]
             print(f"  {t:<5} median {r['seconds']:.4f} s {r['all_s']}  {r['bytes_per_sync'] / r['seconds'] / 1e9:.3f} "
                   f"GB/s  exact={r['exact']}", flush=True)
