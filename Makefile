@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test,vllm,ray]" "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test,vllm,ray,demo]" "torch==2.13.0"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 	$(PY) -m pip install -q --no-deps $(VERL_PKGS)
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: venv
-	$(PY) -m shardsync.cli demo
+	$(PY) -m shardsync.cli demo --kill-engine-at 8
 
 test: venv
 	$(PY) -m pytest -q

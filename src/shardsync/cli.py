@@ -1,6 +1,6 @@
 """Command line: ``shardsync demo | verify | bench | simulate``.
 
-    shardsync demo                       # in-process sync of a tiny Qwen3-MoE into TP2 zoo consumers
+    shardsync demo --kill-engine-at 8    # GRPO on an FSDP2 policy, synced into 2 real vLLM engines every step
     shardsync verify MODEL_DIR --tp 2    # will my model work? synced engine vs a fresh engine, bytes compared
     shardsync bench                      # shardsync vs broadcast baseline vs link SoL, this machine
     shardsync bench --mode all           # Megatron trainer export v1..v4 (gather everywhere .. PP-parallel)
@@ -33,14 +33,25 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="shardsync", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="producers sync a tiny Qwen3-MoE into real vLLM replicas; every byte checked")
+    d = sub.add_parser("demo", help="an RL loop: an FSDP2 policy trained by GRPO, synced into real vLLM engines every step")
+    d.add_argument("--steps", type=int, default=20)
+    d.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    d.add_argument("--samples", type=int, default=8, help="sampled answers per prompt (the GRPO group)")
+    d.add_argument("--replicas", type=int, default=2, help="vLLM engines (TP1 each)")
+    d.add_argument("--lr", type=float, default=1e-2)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--kill-engine-at", type=int, default=None, metavar="STEP",
+                   help="kill one engine after that step's rollouts; it is restarted and rejoins at the next sync")
+    d.add_argument("--ray", action="store_true", help="trainer ranks and engines as Ray actors (local Ray instance)")
+    d.add_argument("--out", default="shardsync-demo", help="where report.json and demo.png go")
+    d.add_argument("--sync-only", action="store_true",
+                   help="the earlier demo: producers sync perturbed checkpoints into vLLM replicas (no training)")
     d.add_argument("--consumers", choices=["vllm", "zoo"], default="vllm",
-                   help="vllm: real vLLM replicas through the transfer engine; zoo: in-process loopback")
-    d.add_argument("--tp", type=int, default=2)
-    d.add_argument("--replicas", type=int, default=2)
-    d.add_argument("--producers", type=int, default=2)
-    d.add_argument("--transport", default="tcp")
-    d.add_argument("--syncs", type=int, default=3)
+                   help="--sync-only: vllm: real vLLM replicas through the transfer engine; zoo: in-process loopback")
+    d.add_argument("--tp", type=int, default=2, help="--sync-only: TP of each replica")
+    d.add_argument("--producers", type=int, default=2, help="--sync-only")
+    d.add_argument("--transport", default="tcp", help="--sync-only")
+    d.add_argument("--syncs", type=int, default=3, help="--sync-only")
     d.add_argument("--json", action="store_true")
     v = sub.add_parser("verify", help="start real vLLM on MODEL_DIR, sync perturbed weights, compare bytes")
     v.add_argument("model_dir")
@@ -96,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "demo" and not args.sync_only:
+        from .tools.rl_demo import DemoConfig, run_rl_demo
+
+        rep = run_rl_demo(DemoConfig(steps=args.steps, prompts=args.prompts, samples=args.samples,
+                                     replicas=args.replicas, lr=args.lr, seed=args.seed,
+                                     kill_engine_at=args.kill_engine_at, use_ray=args.ray, out=args.out),
+                          as_json=args.json)
+        return 0 if rep["all_exact"] and (args.kill_engine_at is None or rep["rejoined"]) else 1
     if args.cmd == "demo":
         if args.consumers == "zoo":
             from .tools.demo import run_zoo_demo

@@ -50,6 +50,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from ...errors import PlanError, SyncError
 from ...types import ParamMeta, metadata_digest
 from .engine_state import write_inspection
+from .fresh_load import fresh_check
 from .guard import HeldVersions
 from .layerwise import LayerApplier, check_processing, record_vllm_plan, validate_plan, vllm_context
 from .processor import FreshProcessor
@@ -94,6 +95,10 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     """Only write what the engine holds now (every tensor, probe outputs) to
     ``{inspect_to}/inspect_rank{R}.safetensors`` and return: no plan, engine state untouched. Used to
     compare a synced engine with a fresh one (``verify``, the demo, the benchmark)."""
+    check_fresh: str = ""
+    """With ``inspect_to``: instead compare what the engine holds with a fresh load of this checkpoint directory
+    (vLLM's model loader on this worker's config, ``fresh_load.fresh_check``) and write the outcome to
+    ``{inspect_to}/fresh_rank{R}.json``; engine state untouched."""
 
     def __post_init__(self) -> None:
         if self.inspect_to:
@@ -180,6 +185,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
         if init_info.inspect_to:  # read-only: what this engine holds now
             os.makedirs(init_info.inspect_to, exist_ok=True)
+            if init_info.check_fresh:
+                out = fresh_check(self.model, self.vllm_config, init_info.check_fresh, rank=self.rank)
+                _write_json(os.path.join(init_info.inspect_to, f"fresh_rank{self.rank}.json"), out)
+                return
             write_inspection(self.model, os.path.join(init_info.inspect_to, f"inspect_rank{self.rank}.safetensors"))
             return
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ def register() -> None:
         register_test_models()
     from .fresh import install_snapshot_hook
 
+    _request_amx()
     install_snapshot_hook()  # every process that may build a model: record each module's first-load state
     from .guard import install as install_torn_guard
 
@@ -26,6 +27,20 @@ def register() -> None:
     if BACKEND in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
         return
     WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
+
+
+def _request_amx() -> None:
+    """Ask Linux for permission to use AMX tiles in this process (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, through
+    torch) where the CPU has them. Without it the first AMX instruction raises SIGILL; vLLM 0.32's CPU attention
+    kernel can reach one before anything else in the worker has asked (seen here: workers dying with exit code
+    -4 in ``cpu_attention_with_kv_cache`` in about half of the starts of a tiny model; none in runs with this)."""
+    try:
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+    except Exception:  # not x86, an older torch: nothing to ask for
+        pass
 
 
 def register_trainer() -> None:
