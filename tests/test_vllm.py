@@ -106,9 +106,9 @@ def test_unrecordable_loader_takes_the_fallback_path(ckpts, tmp_path) -> None:
 
 
 def test_transfer_engine_into_two_real_vllm_replicas_tp2(tmp_path) -> None:
-    """make demo's run: 2 producer processes (PP halves) -> 2 vLLM replicas x TP2 through the engine,
+    """``demo --sync-only``: 2 producer processes (PP halves) -> 2 vLLM replicas x TP2 through the engine,
     every sync compared with a fresh engine on the same weights."""
-    proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "demo", "--json", "--syncs", "2"],
+    proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "demo", "--sync-only", "--json", "--syncs", "2"],
                           capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "TMPDIR": str(tmp_path)})
     rows = [json.loads(ln) for ln in proc.stdout.splitlines()]

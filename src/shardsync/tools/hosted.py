@@ -92,13 +92,16 @@ class Hosted:
         self._results: dict[int, tuple[str, Any]] = {}
         self._lock = threading.Lock()
         self._started = Call(self, 0, f"the constructor of {cls_path}")
+        self._up = False
 
     def ready(self, timeout: float) -> None:
-        self._started.result(timeout)
+        if not self._up:
+            self._started.result(timeout)
+            self._up = True
 
     def started(self) -> bool:
         """True once the constructor has returned or failed (``ready`` then says which) or the child died."""
-        return self._started.done()
+        return self._up or self._started.done()
 
     def alive(self) -> bool:
         return self.proc.is_alive()
@@ -118,9 +121,15 @@ class Hosted:
                     got, status, value = self.rx.recv()
                     self._results[got] = (status, value)
                     return got == cid
-            except (EOFError, OSError):
-                pass
-            if not self.proc.is_alive() and not self.rx.poll(0):
+            except (EOFError, OSError):  # every answer the child sent has been read: it is gone
+                self._results[cid] = ("died", None)
+                return True
+            if not self.proc.is_alive():
+                try:
+                    if self.rx.poll(0):
+                        return False  # answers still in the pipe: read them first
+                except (EOFError, OSError):
+                    pass
                 self._results[cid] = ("died", None)
                 return True
             return False

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 
 _REAL_STDOUT: list[Any] = []
-"""The stdout in force when the innermost :func:`json_mode` opened (a stack)."""
+"""The process's real stdout while :func:`json_mode` is open (a stack: nested modes keep the outermost one's)."""
 
 
 def emit_json(obj: Any) -> None:
@@ -28,7 +28,7 @@ def json_mode(on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    _REAL_STDOUT.append(sys.stdout)
+    _REAL_STDOUT.append(_REAL_STDOUT[-1] if _REAL_STDOUT else sys.stdout)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield

@@ -243,8 +243,8 @@ def run_rl_demo(cfg: DemoConfig, *, as_json: bool = False) -> dict[str, Any]:
         with open(os.path.join(cfg.out, "report.json"), "w") as f:
             import json
             json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "task"} | {"task": asdict(cfg.task)},
-                       "steps": steps, **report}, f, indent=1)
-        plot(steps, os.path.join(cfg.out, "demo.png"), kill_at=cfg.kill_engine_at)
+                       **report, "per_step": steps}, f, indent=1)
+        plot(steps, os.path.join(cfg.out, "demo.png"), kill_at=cfg.kill_engine_at, engines=cfg.replicas)
         console.print(summary_table(steps, report))
         console.print(f"report: {os.path.join(cfg.out, 'report.json')}   plot: {os.path.join(cfg.out, 'demo.png')}")
         shutil.rmtree(work, ignore_errors=True)
@@ -283,6 +283,7 @@ def _step(loop: _Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining
                           if not (isinstance(v, dict) and v.get("error") is None)}
     rec["bytes_per_engine"] = {n: v.get("bytes_received") for n, v in eng.items() if isinstance(v, dict)}
     rec["dropped"] = sorted({c for p in prod.values() for c in (p.get("dropped") or {})})
+    rec["members"] = sorted({c for p in prod.values() for c in (p.get("members") or ())})
     saved, checks = loop.check(step)
     rec["weights_sha256"] = saved["rank0"]["hash"][:16]
     rec["model_bytes"] = saved["rank0"]["bytes"]

@@ -50,7 +50,7 @@ def summary_table(steps: list[dict[str, Any]], report: dict[str, Any]):
     return t
 
 
-def plot(steps: list[dict[str, Any]], path: str, *, kill_at: int | None = None) -> str:
+def plot(steps: list[dict[str, Any]], path: str, *, kill_at: int | None = None, engines: int = 2) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,15 +61,24 @@ def plot(steps: list[dict[str, Any]], path: str, *, kill_at: int | None = None) 
     a.plot(xs, [s["reward"] for s in steps], marker="o", color="tab:green")
     a.set_ylabel("mean reward")
     a.set_ylim(0, 1.05)
-    a.set_title("shardsync demo: GRPO on a toy task, weights synced into 2 vLLM engines every step")
+    a.set_title(f"shardsync demo: GRPO; weights synced into {engines} vLLM engines after every step", fontsize=10)
     b.bar(xs, [s["sync_s"] for s in steps], color=["tab:red" if s.get("killed") else "tab:blue" for s in steps])
     b.set_ylabel("sync seconds")
     b.set_xlabel("step")
     for ax in (a, b):
         if kill_at is not None:
             ax.axvline(kill_at, color="tab:red", linestyle="--", linewidth=1)
+    from matplotlib.ticker import MaxNLocator
+
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))
     if kill_at is not None:
-        a.annotate("engine killed", (kill_at, 0.05), color="tab:red", fontsize=8)
+        a.annotate(" engine killed", (kill_at, 0.05), color="tab:red", fontsize=8)
+        b.annotate(" this sync drops the dead engine", (kill_at + 0.45, max(s["sync_s"] for s in steps) * 0.9),
+                   color="tab:red", fontsize=8)
+    for s in steps:
+        for n in s["rejoined"]:
+            a.axvline(s["step"], color="tab:cyan", linestyle=":", linewidth=1)
+            a.annotate(f" {n} rejoined, exact", (s["step"], 0.15), color="tab:cyan", fontsize=8)
     bad = [s["step"] for s in steps if not (s["exact"] and all(s["exact"].values()))]
     if bad:
         a.plot(bad, [0.02] * len(bad), "rx", label="not exact")
