@@ -79,8 +79,8 @@ def _raise_any(res: dict[str, Any], what: str) -> dict[str, Any]:
 
 
 class _Loop:
-    def __init__(self, cfg: DemoConfig, work: str, log: Any):
-        self.cfg, self.work, self.log = cfg, work, log
+    def __init__(self, cfg: DemoConfig, work: str):
+        self.cfg, self.work = cfg, work
         self.token = secrets.token_hex(8)
         self.host = _host_factory(cfg)
         self.ranks: list[Any] = []
@@ -226,7 +226,7 @@ def run_rl_demo(cfg: DemoConfig, *, as_json: bool = False) -> dict[str, Any]:
         console.print(f"policy: Qwen3-style, {cfg.trainer_ranks} FSDP2 ranks (gloo); {cfg.replicas} vLLM engines "
                       f"(CPU) sample {cfg.samples} answers per prompt, {cfg.prompts} prompts per step; "
                       f"shardsync syncs after every optimizer step{'; on Ray' if cfg.use_ray else ''}")
-        loop = _Loop(cfg, work, console)
+        loop = _Loop(cfg, work)
         try:
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                           console=console, transient=False) as progress:
