@@ -38,9 +38,14 @@ def _name(group: str) -> str:
 
 
 def publish(group: str, info: dict[str, Any]) -> None:
-    """Record the group's coordinator (replacing an earlier one: a restarted producer 0)."""
-    reg = _Registry.options(name=_name(group), namespace=NAMESPACE, lifetime="detached",
-                            get_if_exists=True).remote()
+    """Record the group's coordinator (replacing an earlier one: a restarted producer 0). The registry actor is
+    placed on the caller's node (producer 0's; soft): left to Ray it could land on an engine's node and die with it,
+    and engines restarted after that node's loss would wait for a lookup on a dead actor."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    reg = _Registry.options(name=_name(group), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                            scheduling_strategy=here).remote()
     ray.get(reg.put.remote(info))
 
 
