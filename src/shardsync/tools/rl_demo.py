@@ -159,11 +159,9 @@ class _Loop:
                 answers[j] = a
         return answers
 
-    def kill(self, name: str) -> float:
-        t = time.monotonic()
+    def kill(self, name: str) -> None:
         self.engines.pop(name).kill()
         self._boot(name)  # restarted at once, as a framework would; it rejoins once it is up
-        return t
 
     def sync(self, version: int) -> tuple[dict, dict]:
         calls = {f"rank{i}": r.call("sync", version) for i, r in enumerate(self.ranks)}

@@ -17,29 +17,16 @@ new version from the trainer ranks, and checks itself against a FRESH load of a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from typing import Any
 
-__all__ = ["PolicyRank", "RolloutEngine", "MODEL", "state_hash"]
+__all__ = ["PolicyRank", "RolloutEngine", "MODEL"]
 
 MODEL = dict(hidden_size=64, num_hidden_layers=2, head_dim=64, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=128)
 """The policy's size (Qwen3 architecture; the vocabulary is the task's)."""
-
-
-def state_hash(state: dict) -> str:
-    """sha256 over the trainer's full tensors (names, dtypes, shapes, bytes), in name order."""
-    import torch
-
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].contiguous()
-        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class PolicyRank:
@@ -93,6 +80,7 @@ class PolicyRank:
     def save(self, version: int) -> dict[str, Any]:
         """The trainer's full weights of ``version`` (a collective: every rank): rank 0 writes them as a
         checkpoint; every rank returns their hash."""
+        from ..integrations.vllm.fresh_load import state_digest
         from ..integrations.vllm.reference import save_checkpoint
 
         full = self.trainer.full_state_dict()
@@ -102,7 +90,7 @@ class PolicyRank:
             if not os.path.isdir(cfg_dir):
                 self.trainer.save_config(cfg_dir)
             save_checkpoint(full, cfg_dir, path)
-        return {"path": path, "hash": state_hash(full), "bytes": sum(t.nbytes for t in full.values())}
+        return {"path": path, "hash": state_digest(full), "bytes": sum(t.nbytes for t in full.values())}
 
     def close(self) -> None:
         import torch.distributed as dist
