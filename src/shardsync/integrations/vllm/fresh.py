@@ -25,6 +25,9 @@ keeps a packed copy of the old embedding; int8 layers process under float32 — 
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Iterator
 from weakref import WeakKeyDictionary
@@ -50,17 +53,52 @@ def _copy1(v: Any) -> Any:
 
 @dataclass
 class FreshState:
-    """A module's non-tensor state: its own attributes and its quant method's attributes."""
+    """A module's non-tensor state: its own attributes, its quant method's attributes and those of the
+    per-layer objects they hold (``nested``: e.g. a compressed-tensors ``scheme`` and its ``kernel``, where CPU
+    vLLM keeps the oneDNN handle that owns the packed weight and points at the layer's scale tensors)."""
 
     attrs: dict[str, Any]
     qm: dict[str, Any] | None
+    nested: list[tuple[Any, dict[str, Any]]] = ()  # type: ignore[assignment]
+
+
+NESTED_DEPTH = 3
+"""How deep :func:`capture_state` follows plain objects held in attributes (layer -> scheme -> kernel)."""
+
+
+def _is_state_object(v: Any) -> bool:
+    """A per-layer helper object whose attributes processing may set (a quant scheme, a kernel): not a
+    module, tensor, builtin, type, function or a (shared, read-only) config."""
+    if isinstance(v, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType,
+                      functools.partial, enum.Enum)):
+        return False
+    cls = type(v)
+    return cls.__module__ != "builtins" and hasattr(v, "__dict__") and not cls.__name__.endswith("Config")
+
+
+def _nested(roots: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any]]]:
+    out: list[tuple[Any, dict[str, Any]]] = []
+    seen: set[int] = set()
+    frontier = [v for d in roots for v in d.values()]
+    for _ in range(NESTED_DEPTH):
+        nxt = []
+        for v in frontier:
+            for x in (v if type(v) in (list, tuple) else (v,)):
+                if id(x) in seen or not _is_state_object(x):
+                    continue
+                seen.add(id(x))
+                d = {k: _copy1(y) for k, y in vars(x).items()}
+                out.append((x, d))
+                nxt.extend(d.values())
+        frontier = nxt
+    return out
 
 
 def capture_state(module: nn.Module) -> FreshState:
     attrs = {k: _copy1(v) for k, v in module.__dict__.items() if k not in _TORCH_INTERNAL}
     qm = getattr(module, "quant_method", None)
     qd = {k: _copy1(v) for k, v in vars(qm).items()} if qm is not None and hasattr(qm, "__dict__") else None
-    return FreshState(attrs=attrs, qm=qd)
+    return FreshState(attrs=attrs, qm=qd, nested=_nested([attrs, qd or {}]))
 
 
 def set_state(module: nn.Module, state: FreshState) -> None:
@@ -73,6 +111,9 @@ def set_state(module: nn.Module, state: FreshState) -> None:
     if state.qm is not None and qm is not None:
         qm.__dict__.clear()
         qm.__dict__.update({k: _copy1(v) for k, v in state.qm.items()})
+    for obj, d in state.nested:
+        obj.__dict__.clear()
+        obj.__dict__.update({k: _copy1(v) for k, v in d.items()})
 
 
 def install_snapshot_hook() -> None:

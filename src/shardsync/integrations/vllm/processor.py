@@ -93,7 +93,10 @@ def restore_live(model: nn.Module, live: dict[nn.Module, TensorSnapshot], keep: 
 def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str, tuple[str, str]]]:
     """Modules the plan does not write whose tensors are (share storage with) tensors of written modules:
     ``{module: {tensor: (partner module, partner tensor)}}``. Such a module is re-processed after its
-    partner; one that also has tensors of its own (which no sync writes) cannot be, and is refused."""
+    partner; one that also has tensors of its own (which no sync writes) cannot be, and is refused.
+    Attention-like layers (MLA's ``W_UK_T``/``W_UV``, views of ``kv_b_proj``) are not aliases: vLLM's
+    ``finalize_layerwise_reload`` runs their ``process_weights_after_loading`` after every other layer, from
+    their partners' new values, as a first load does."""
     _, meta = _reload()
     owner: dict[tuple[int, int], tuple[str, str]] = {}
     written_set = set(written)
@@ -101,10 +104,12 @@ def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str
         for n, t in TensorSnapshot.of(model.get_submodule(name)).tensors().items():
             if t.numel() and not t.is_meta:
                 owner.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), (name, n))
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
     out: dict[str, dict[str, tuple[str, str]]] = {}
     for name, mod in model.named_modules():
-        if name in written_set:
-            continue
+        if name in written_set or is_deferred_attention_layer(mod):
+            continue  # vLLM's finalize re-processes attention layers after all others, from their partners
         own = {n: t for n, t in TensorSnapshot.of(mod).tensors().items() if n not in meta.SKIP_TENSORS}
         hits = {n: owner[k] for n, t in own.items() if t.numel() and not t.is_meta
                 and (k := (t.untyped_storage().data_ptr(), t.storage_offset())) in owner}
