@@ -28,10 +28,14 @@ class LLMClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version=weight_version)
+        from .compat import finish_weight_update  # vLLM 0.26's LLM takes no version
+
+        finish_weight_update(self.llm, weight_version)
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        stop = getattr(self.llm, "shutdown_weight_transfer_engine", None)
+        if stop is not None:  # vLLM 0.26 has none: its workers shut the engine down with themselves
+            stop()
 
 
 def as_client(client: Any) -> Any:

@@ -49,6 +49,8 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ...errors import PlanError, SyncError
 from ...types import ParamMeta, metadata_digest
+from .compat import check_supported
+from .plugin import require_plugin
 from .engine_state import write_inspection
 from .fresh_load import fresh_check
 from .guard import HeldVersions
@@ -164,7 +166,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
     update_info_cls = ShardsyncUpdateInfo
     supports_draft_weight_update = False
 
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:  # abstract in vLLM 0.26, gone in 0.32
+        raise NotImplementedError("shardsync's trainer side is its trainer backend (ShardsyncTrainerInitInfo) or "
+                                  "shardsync.Producer; workers pull, nothing is pushed from a static method")
+
     def __init__(self, config, vllm_config, device, model) -> None:
+        check_supported()
+        require_plugin()
         super().__init__(config, vllm_config, device, model)
         self.rank = _rank()
         self.plan = None

@@ -126,12 +126,28 @@ def install_snapshot_hook() -> None:
 
     def record_metadata_for_reloading(model: nn.Module) -> None:
         original(model)
+        if not _serves_shardsync():
+            return
         for m in model.modules():
             _FRESH[m] = capture_state(m)
         _ALIASES[model] = find_buffer_views(model)
 
     record_metadata_for_reloading._shardsync = True  # type: ignore[attr-defined]
     utils.record_metadata_for_reloading = record_metadata_for_reloading
+
+
+def _serves_shardsync() -> bool:
+    """Whether the model being built belongs to an engine started with the shardsync backend (others are not
+    recorded). Where vLLM's current config cannot be read, it is recorded (a shardsync engine needs it)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        from .plugin import BACKEND
+
+        cfg = get_current_vllm_config().weight_transfer_config
+    except Exception:
+        return True
+    return cfg is not None and getattr(cfg, "backend", None) == BACKEND
 
 
 @dataclass(frozen=True)

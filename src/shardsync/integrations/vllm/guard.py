@@ -206,7 +206,7 @@ def _refresh(core: Any, method: str, failed: bool) -> None:
     torn = [s for s in states if s and s.get("torn")]
     was = getattr(core, "_shardsync_torn", None)
     if torn:
-        committed = was["committed"] if was else core._weight_version
+        committed = was["committed"] if was else getattr(core, "_weight_version", None)
         held = sorted({v for s in states if s for v in s["versions_held"]}, key=lambda v: (str(type(v)), v))
         open_window = any(s and s.get("window_open") for s in states)
         real = bool(was and was["real"]) or not open_window  # torn outside a sync in progress, at some point
@@ -240,21 +240,34 @@ def _refuse_all(core: Any) -> dict[int, Any]:
     out = {c: EngineCoreOutputs(outputs=[EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=msg)
                                          for rid in ids], finished_requests=set(ids))
            for c, ids in by_client.items()}
-    core._attach_weight_version(out)
+    attach = getattr(core, "_attach_weight_version", None)  # vLLM 0.32 labels outputs; 0.26 has no versions
+    if attach is not None:
+        attach(out)
     return out
 
 
+def serves_shardsync(core: Any) -> bool:
+    """Whether this engine core was started with the shardsync backend (the guard does nothing elsewhere)."""
+    from .plugin import BACKEND
+
+    cfg = getattr(getattr(core, "vllm_config", None), "weight_transfer_config", None)
+    return getattr(cfg, "backend", None) == BACKEND
+
+
 def install() -> None:
-    """Patch vLLM's ``EngineCore`` (once per process; harmless where no engine core runs)."""
+    """Patch vLLM's ``EngineCore`` (once per process; harmless where no engine core runs). Each patch is applied
+    only where its target exists (vLLM 0.26 has no weight versions) and acts only in an engine core started with
+    the shardsync backend: other engines' RPCs and steps take vLLM's own code path unchanged."""
     from vllm.v1.engine.core import EngineCore
 
     if getattr(EngineCore, _MARK, False):
         return
-    rpc, step, step_bq, set_version = (EngineCore.collective_rpc, EngineCore.step, EngineCore.step_with_batch_queue,
-                                       EngineCore.set_weight_version)
+    rpc, step = EngineCore.collective_rpc, EngineCore.step
+    step_bq = getattr(EngineCore, "step_with_batch_queue", None)
+    set_version = getattr(EngineCore, "set_weight_version", None)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        if not (isinstance(method, str) and method in WEIGHT_RPCS):
+        if not (isinstance(method, str) and method in WEIGHT_RPCS) or not serves_shardsync(self):
             return rpc(self, method, timeout, args, kwargs)
         try:
             out = rpc(self, method, timeout, args, kwargs)
@@ -289,6 +302,8 @@ def install() -> None:
 
     EngineCore.collective_rpc = collective_rpc
     EngineCore.step = guarded_step
-    EngineCore.step_with_batch_queue = guarded_step_with_batch_queue
-    EngineCore.set_weight_version = set_weight_version
+    if step_bq is not None:
+        EngineCore.step_with_batch_queue = guarded_step_with_batch_queue
+    if set_version is not None:
+        EngineCore.set_weight_version = set_weight_version
     setattr(EngineCore, _MARK, True)

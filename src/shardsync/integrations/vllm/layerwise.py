@@ -31,6 +31,7 @@ from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
 from .fresh import TensorSnapshot, fresh_state
+from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
 from .processor import find_aliases, restore_live, validate_processing
 
 __all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context"]
@@ -45,9 +46,8 @@ def _reload():
 @contextlib.contextmanager
 def vllm_context(vllm_config) -> Iterator[None]:
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-    with set_current_vllm_config(vllm_config), disable_mtp_completeness_check(), torch.no_grad():
+    with set_current_vllm_config(vllm_config), no_mtp_completeness_check(), torch.no_grad():
         yield
 
 
@@ -160,8 +160,6 @@ def _module_of(name: str) -> tuple[str, str]:
 
 
 def _refuse_deferred_attention(model: nn.Module, plan: Plan, rank: int) -> None:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
     writes = [(d.name, d.name) for d in plan.dests if not d.name.startswith(FALLBACK_PREFIX)]
     writes += [(x, f.scratch) for f in plan.fallback for x in f.dests]
     for dest, dst in writes:
@@ -211,12 +209,12 @@ def validate_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], 
 
 def _validate_group(model: nn.Module, g, metas: Sequence[ParamMeta], mods: Sequence[str], rank: int,
                     seed: int) -> int:
-    _, meta_mod, _ = _reload()
+    skip = skip_load_tensors()
     # tensors vLLM never reloads (expert maps, masks) are read by the loaders: never sentinel-filled,
     # unless this plan writes them (DeepSeek's e_score_correction_bias comes from the checkpoint)
     writes = {s.dst for s in g.scatters} | {f.dst for f in g.fills}
     tensors = {n: t for n, t in model_tensors(model).items() if _module_of(n)[0] in mods and not t.is_meta
-               and (_module_of(n)[1] not in meta_mod.SKIP_LOAD_TENSORS or n in writes)}
+               and (_module_of(n)[1] not in skip or n in writes)}
     return validate_group(load_weights=model.load_weights, params=tensors, group=g, metas=metas, rank=rank,
                           seed=seed)
 

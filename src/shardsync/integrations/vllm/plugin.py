@@ -1,32 +1,58 @@
 """vLLM general plugin: registers the ``shardsync`` weight-transfer backend (once per process) and
 records each module's first-load state when vLLM builds a model (``fresh.install_snapshot_hook``), and installs
-the engine core's torn-weights guard (``guard.install``)."""
+the engine core's torn-weights guard (``guard.install``).
+
+It runs in every vLLM process of every engine in an environment where shardsync is installed, so it never breaks
+one: each step is skipped (and logged) where its target is missing in this vLLM, the hooks act only in engines
+started with ``weight_transfer_config={"backend": "shardsync"}``, and a shardsync worker engine refuses to start
+in a process where a step it needs failed (``require_plugin``), naming it."""
 
 from __future__ import annotations
 
+import logging
+
 BACKEND = "shardsync"
+FAILED: dict[str, str] = {}
+"""Plugin steps that failed in this process: step name -> error (read by :func:`require_plugin`)."""
+log = logging.getLogger("shardsync.plugin")
 
 
 def register() -> None:
-    import os
+    for step in (_request_amx, _install_snapshot_hook, _install_torn_guard, register_trainer, _register_worker):
+        try:
+            step()
+        except Exception as e:  # never break an engine that may not even use shardsync
+            FAILED[step.__name__] = f"{type(e).__name__}: {e}"
+            log.warning("shardsync plugin: %s skipped: %s", step.__name__.lstrip("_"), FAILED[step.__name__])
 
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if os.environ.get("SHARDSYNC_TEST_MODELS") == "1":  # fault-injection models for the test suite only
-        from .testing_models import register as register_test_models
+def require_plugin() -> None:
+    """Raise, naming the vLLM version, if a plugin step a shardsync engine needs failed in this process."""
+    if FAILED:
+        from ...errors import ShardsyncError
+        from .compat import vllm_version
 
-        register_test_models()
+        raise ShardsyncError(f"shardsync's vLLM plugin could not install {sorted(FAILED)} on vLLM "
+                             f"{'.'.join(map(str, vllm_version()))}: {FAILED}")
+
+
+def _install_snapshot_hook() -> None:
     from .fresh import install_snapshot_hook
 
-    _request_amx()
     install_snapshot_hook()  # every process that may build a model: record each module's first-load state
-    from .guard import install as install_torn_guard
 
-    install_torn_guard()  # every engine core: a torn engine (last sync incomplete) serves nothing
-    register_trainer()
-    if BACKEND in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
-        return
-    WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
+
+def _install_torn_guard() -> None:
+    from .guard import install
+
+    install()  # every engine core: a torn engine (last sync incomplete) serves nothing
+
+
+def _register_worker() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
+        WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
 
 
 def _request_amx() -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ...errors import PlanError, SyncError
+from .compat import is_deferred_attention_layer
 from .engine_state import weight_state_attrs
 from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
                     set_state)
@@ -104,8 +105,6 @@ def find_aliases(model: nn.Module, written: Sequence[str]) -> dict[str, dict[str
         for n, t in TensorSnapshot.of(model.get_submodule(name)).tensors().items():
             if t.numel() and not t.is_meta:
                 owner.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), (name, n))
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
     out: dict[str, dict[str, tuple[str, str]]] = {}
     for name, mod in model.named_modules():
         if name in written_set or is_deferred_attention_layer(mod):

@@ -26,11 +26,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from ...engine.producer import Producer, ProducerConfig
 from ...errors import SyncError
 from ...sources.adapt import adapt
+from . import compat
 from .clients import as_client
 from .plugin import BACKEND, register_trainer
 
@@ -96,17 +97,23 @@ def _share(values: list[Any], n_producers: int) -> list[Any]:
     return box
 
 
-class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInfo]):
+class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo)):  # type: ignore[misc]
     init_info_cls = ShardsyncTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: Any, producer: Producer, is_sender: bool):
-        super().__init__(client=client, source=source, is_sender=is_sender)
+    def __init__(self, *, client: Any, source: Any, producer: Producer, is_sender: bool, config: Any = None):
+        args, _ = compat.trainer_engine_init_kwargs(config)
+        super().__init__(*args, client=client, source=source, is_sender=is_sender)
         self.producer = producer
         self.version = 0
 
     @classmethod
-    def trainer_init(cls, init_info: ShardsyncTrainerInitInfo, *, client: Any, source: Any = None
-                     ) -> "ShardsyncTrainerEngine":
+    def trainer_init(cls, *args: Any, client: Any, source: Any = None, **kwargs: Any) -> "ShardsyncTrainerEngine":
+        """vLLM 0.32: ``trainer_init(init_info, client=, source=)``; vLLM 0.26: ``trainer_init(config, init_info,
+        client=, source=)`` (its factory passes them by keyword)."""
+        compat.check_supported()
+        config, init_info = compat.trainer_init_args(args, kwargs)
+        if not isinstance(init_info, ShardsyncTrainerInitInfo):
+            raise TypeError(f"shardsync's trainer engine takes ShardsyncTrainerInitInfo, not {type(init_info).__name__}")
         if source is None:
             raise ValueError("shardsync trainer weight transfer needs a WeightSource (vLLM's or shardsync's)")
         if init_info.world_size < 2:
@@ -137,7 +144,7 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
         if producer is None:
             cfg.token, cfg.coordinator = token, address
             producer = Producer(adapt(source), cfg)
-        engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0)
+        engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0, config=config)
         if not engine.is_sender:
             producer.init()
             return engine
@@ -220,7 +227,7 @@ class ShardsyncTrainerEngine(TrainerWeightTransferEngine[ShardsyncTrainerInitInf
         self.client.start_weight_update()
         out = self._side(lambda: self.client.update_weights({"version": v}), result,
                          what=f"the inference engines' update_weights (version {v})")
-        self.client.finish_weight_update(weight_version=str(v))
+        compat.finish_weight_update(self.client, str(v))
         return out
 
     def shutdown(self) -> None:

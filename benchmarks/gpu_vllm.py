@@ -1,0 +1,273 @@
+"""Real vLLM on a GPU: shardsync's vLLM backends (worker + trainer) against a FRESH GPU engine and vLLM's own ``ipc``.
+
+One GPU, colocated: the trainer's tensors live in this (driver) process on ``cuda:0``; the engine core and its worker
+run in vLLM's subprocess on the same GPU. Each phase runs in its own process (one engine at a time on the GPU):
+
+* ``shardsync``: an engine with ``weight_transfer_config={"backend": "shardsync"}``; the trainer syncs ``--syncs``
+  versions through vLLM's trainer API (``ShardsyncTrainerInitInfo``, device ``cuda:0``, transport ``auto``); seconds
+  per sync; then every parameter and buffer's bytes (sha256, after processing), their addresses before and after the
+  syncs (CUDA graphs capture addresses), and greedy tokens;
+* ``fresh``: an engine started on the last version's checkpoint: the same probes;
+* ``ipc``: vLLM's own ``ipc`` backend into the same kind of engine, the same versions (seconds per sync, probes).
+
+    python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
+    python benchmarks/gpu_vllm.py --model bench --json              # 24 Qwen3 layers (2.7 GB): seconds per sync
+
+With ``--json`` the last stdout line is the comparison. Needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the probes are
+Python callables run in the worker) — set here for the child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PROMPTS = [[1, 17, 42, 99, 7, 3], [5, 6, 7, 8]]
+MODELS = {
+    "tiny": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    "tiny-moe": dict(arch="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    "bench": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=4, head_dim=128, vocab_size=32000),
+}
+
+
+def build_checkpoint(model: str, out: str) -> str:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    spec = dict(MODELS[model])
+    arch = spec.pop("arch")
+    cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    torch.manual_seed(0)
+    cfg = cfg_cls(**spec, max_position_embeddings=512, torch_dtype="bfloat16", tie_word_embeddings=False)
+    m = model_cls(cfg).to(torch.bfloat16)
+    m.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def version_state(base: dict, v: int) -> dict:
+    """Deterministic weights of version ``v`` (v=0: the checkpoint's)."""
+    import torch
+
+    if v == 0:
+        return {k: t.clone() for k, t in base.items()}
+    dev = next(iter(base.values())).device
+    g = torch.Generator(device=dev).manual_seed(1000 + v)
+    return {k: (t.float() * (1 + 0.01 * v) + 0.002 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype)
+            for k, t in base.items()}
+
+
+def load_state(ckpt: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(ckpt)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(ckpt, f)))
+    return out
+
+
+def _probe(worker) -> dict:  # runs in the vLLM worker
+    import hashlib
+
+    import torch
+
+    m = worker.model_runner.model
+    out = {}
+    for kind, items in (("p", m.named_parameters()), ("b", m.named_buffers())):
+        for n, t in items:
+            if t.is_meta:
+                continue
+            flat = t.detach().reshape(-1)
+            raw = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat.to(torch.uint8)
+            out[f"{kind}:{n}"] = [hashlib.sha256(raw.cpu().numpy().tobytes()).hexdigest(), t.data_ptr(),
+                                  list(t.shape), str(t.dtype)]
+    return out
+
+
+def _llm(ckpt: str, graphs: bool, backend: str | None):
+    from vllm import LLM
+
+    kw = dict(model=ckpt, skip_tokenizer_init=True, enforce_eager=not graphs, max_model_len=256,
+              gpu_memory_utilization=0.35, seed=0)
+    if backend:
+        kw["weight_transfer_config"] = {"backend": backend}
+    return LLM(**kw)
+
+
+def _tokens(llm) -> list:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=12, temperature=0.0))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def phase(args) -> dict:
+    import torch
+
+    ckpt = args.ckpt
+    base = {k: t.to("cuda:0") for k, t in load_state(ckpt).items()}
+    t0 = time.perf_counter()
+    llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if args.phase == "shardsync"
+                                                                       else "ipc"))
+    out: dict = {"phase": args.phase, "engine_start_s": round(time.perf_counter() - t0, 2)}
+    if args.phase == "fresh":
+        out["probe"] = llm.collective_rpc(_probe)[0]
+        out["tokens"] = _tokens(llm)
+        return out
+    before = llm.collective_rpc(_probe)[0]
+    out["tokens_before"] = _tokens(llm)
+    state = version_state(base, 0)
+    out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    times = []
+    if args.phase == "shardsync":
+        eng = _shardsync_trainer(llm, state)
+        out["init_s"] = round(eng._init_s, 3)
+        send = eng.send_weights
+    else:
+        send = _ipc_sender(llm, state)
+    peak = 0
+    for v in range(1, args.syncs + 1):
+        new = version_state(base, v)
+        for k, t in state.items():  # the trainer's step: same tensors, new values
+            t.copy_(new[k])
+        del new
+        torch.cuda.synchronize()
+        mem0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        send()
+        torch.cuda.synchronize()
+        times.append(round(time.perf_counter() - t0, 4))
+        peak = max(peak, torch.cuda.max_memory_allocated() - mem0)
+    out["sync_s"] = times
+    out["trainer_extra_gpu_bytes_peak"] = peak
+    after = llm.collective_rpc(_probe)[0]
+    out["probe"] = after
+    out["reallocated"] = sorted(k for k in after if k in before and after[k][1] != before[k][1])
+    out["tokens"] = _tokens(llm)
+    if args.phase == "shardsync":
+        eng.shutdown()
+    return out
+
+
+def _shardsync_trainer(llm, state):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from shardsync import ModuleSource
+    from shardsync.integrations.vllm import compat
+    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
+
+    info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0,
+                                    transport="auto", device="cuda:0")
+    t0 = time.perf_counter()
+    if compat.vllm_version()[:2] >= (0, 32):
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(state))
+    else:
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        eng = WeightTransferTrainerFactory.trainer_init("shardsync", WeightTransferConfig(backend="shardsync"), info,
+                                                        client=llm, source=ModuleSource(state))
+    eng._init_s = time.perf_counter() - t0
+    return eng
+
+
+def _ipc_sender(llm, state):
+    """vLLM 0.26's own ipc backend, colocated: CUDA IPC handles of the trainer's tensors, one update call."""
+    import base64
+    import pickle
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    llm.init_weight_transfer_engine({"init_info": {}})
+
+    def send_mode(info) -> None:
+        fields = {"names": info.names, "dtype_names": info.dtype_names, "shapes": info.shapes, "packed": info.packed,
+                  "ipc_handles_pickled": base64.b64encode(pickle.dumps(info.ipc_handles)).decode()}
+        if info.tensor_sizes is not None:
+            fields["tensor_sizes"] = info.tensor_sizes
+        llm.update_weights({"update_info": fields})
+
+    def send() -> None:
+        llm.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(iter(state.items()), {"send_mode": send_mode})
+        llm.finish_weight_update()
+
+    return send
+
+
+def compare(a: dict, b: dict) -> list[str]:
+    keys = set(a) | set(b)
+    return sorted(k for k in keys if k not in a or k not in b or a[k][0] != b[k][0] or a[k][2:] != b[k][2:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (no enforce_eager)")
+    ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--baseline", action="store_true", help="also vLLM's own ipc backend")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phase", choices=("shardsync", "fresh", "ipc"), default=None)
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.phase:
+        r = phase(args)
+        with open(args.out, "w") as f:
+            json.dump(r, f)
+        return 0
+    work = tempfile.mkdtemp(prefix="gpu-vllm-")
+    ckpt = build_checkpoint(args.model, os.path.join(work, "v0"))
+    final = os.path.join(work, f"v{args.syncs}")
+    _save_version(ckpt, final, args.syncs)
+    env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    res: dict = {"model": args.model, "graphs": args.graphs, "syncs": args.syncs}
+    phases = [("shardsync", ckpt), ("fresh", final)] + ([("ipc", ckpt)] if args.baseline else [])
+    for name, path in phases:
+        out = os.path.join(work, f"{name}.json")
+        cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
+               *(["--graphs"] if args.graphs else [])]
+        p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
+        if p.returncode != 0 or not os.path.exists(out):
+            res[name] = {"error": f"exit code {p.returncode}"}
+            continue
+        with open(out) as f:
+            res[name] = json.load(f)
+    fresh = res.get("fresh", {})
+    for name in ("shardsync", "ipc"):
+        r = res.get(name)
+        if not r or "probe" not in r or "probe" not in fresh:
+            continue
+        mism = compare(r.pop("probe"), fresh["probe"])
+        r.pop("tokens_before", None)
+        r.update(tensors_compared=len(fresh["probe"]), mismatched=mism[:20], n_mismatched=len(mism),
+                 tokens_match=r["tokens"] == fresh["tokens"], exact=not mism and r["tokens"] == fresh["tokens"])
+    if "probe" in fresh:
+        fresh["tensors"] = len(fresh.pop("probe"))
+    line = json.dumps(res)
+    print(line if args.json else json.dumps(res, indent=1))
+    return 0 if res.get("shardsync", {}).get("exact") else 1
+
+
+def _save_version(src: str, dst: str, v: int) -> None:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    base = {k: t.to("cuda:0") for k, t in load_state(src).items()}
+    save_file({k: t.cpu().contiguous() for k, t in version_state(base, v).items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
