@@ -11,7 +11,8 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
 * ``ipc``: vLLM's own ``ipc`` backend into the same kind of engine, the same versions (seconds per sync, probes).
 
     python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
-    python benchmarks/gpu_vllm.py --model bench --json              # 24 Qwen3 layers (2.7 GB): seconds per sync
+    python benchmarks/gpu_vllm.py --model tiny-mla --quant fp8      # DeepSeek-V3-style MLA + MoE, FP8 online
+    python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
 
 With ``--json`` the last stdout line is the comparison. Needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the probes are
 Python callables run in the worker) — set here for the child processes.
@@ -34,6 +35,11 @@ MODELS = {
     "tiny-moe": dict(arch="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                      num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    "tiny-mla": dict(arch="deepseek_v3", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                     qk_nope_head_dim=128, v_head_dim=128, num_hidden_layers=2, num_attention_heads=16,
+                     num_key_value_heads=16, vocab_size=1024),
     "bench": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
                   num_key_value_heads=4, head_dim=128, vocab_size=32000),
 }
@@ -43,11 +49,16 @@ def build_checkpoint(model: str, out: str) -> str:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    import transformers as tf
+
     spec = dict(MODELS[model])
     arch = spec.pop("arch")
-    cfg_cls, model_cls = (Qwen3Config, Qwen3ForCausalLM) if arch == "qwen3" else (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    cfg_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                          "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[arch]
     torch.manual_seed(0)
     cfg = cfg_cls(**spec, max_position_embeddings=512, torch_dtype="bfloat16", tie_word_embeddings=False)
+    if arch == "deepseek_v3":  # vLLM creates gate.e_score_correction_bias only for noaux_tc routing
+        cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
     m = model_cls(cfg).to(torch.bfloat16)
     m.save_pretrained(out, safe_serialization=True)
     return out
@@ -93,11 +104,11 @@ def _probe(worker) -> dict:  # runs in the vLLM worker
     return out
 
 
-def _llm(ckpt: str, graphs: bool, backend: str | None):
+def _llm(ckpt: str, graphs: bool, backend: str | None, quant: str | None = None):
     from vllm import LLM
 
     kw = dict(model=ckpt, skip_tokenizer_init=True, enforce_eager=not graphs, max_model_len=256,
-              gpu_memory_utilization=0.35, seed=0)
+              gpu_memory_utilization=0.35, seed=0, quantization=quant)
     if backend:
         kw["weight_transfer_config"] = {"backend": backend}
     return LLM(**kw)
@@ -117,7 +128,7 @@ def phase(args) -> dict:
     base = {k: t.to("cuda:0") for k, t in load_state(ckpt).items()}
     t0 = time.perf_counter()
     llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if args.phase == "shardsync"
-                                                                       else "ipc"))
+                                                                       else "ipc"), args.quant)
     out: dict = {"phase": args.phase, "engine_start_s": round(time.perf_counter() - t0, 2)}
     if args.phase == "fresh":
         out["probe"] = llm.collective_rpc(_probe)[0]
@@ -215,6 +226,7 @@ def main() -> int:
     ap.add_argument("--graphs", action="store_true", help="CUDA graphs on (no enforce_eager)")
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--baseline", action="store_true", help="also vLLM's own ipc backend")
+    ap.add_argument("--quant", choices=("fp8",), default=None, help="online quantisation of the bf16 checkpoint")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", choices=("shardsync", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
@@ -230,12 +242,12 @@ def main() -> int:
     final = os.path.join(work, f"v{args.syncs}")
     _save_version(ckpt, final, args.syncs)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    res: dict = {"model": args.model, "graphs": args.graphs, "syncs": args.syncs}
+    res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "syncs": args.syncs}
     phases = [("shardsync", ckpt), ("fresh", final)] + ([("ipc", ckpt)] if args.baseline else [])
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
-               *(["--graphs"] if args.graphs else [])]
+               *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
         if p.returncode != 0 or not os.path.exists(out):
             res[name] = {"error": f"exit code {p.returncode}"}
