@@ -9,6 +9,7 @@ CLI programs) import vllm; only ``integrations/ray`` and ``tools/`` import ray. 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -92,6 +93,7 @@ def _is_product(mod: str) -> bool:
     return not _under(mod, NOT_PRODUCT) and not _is_testing(mod)
 
 
+@functools.cache
 def _modules() -> dict[str, set[str]]:
     return {_module(f): _imports(f) for f in sorted(PKG.rglob("*.py"))}
 
