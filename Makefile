@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardsync-installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The fast tier: pure, contract and in-process engine tests (no vLLM engine, no Ray, no further processes, no GPU).
+test-fast: venv
+	$(PY) -m pytest -q -m "not vllm and not ray and not procs and not gpu"
 
 clean:
 	rm -rf $(VENV)

@@ -1,6 +1,6 @@
-"""An FSDP2 trainer (2 ranks, gloo on CPU) pushes its weights after every optimizer step into a real vLLM
-engine of TP2, through vLLM's trainer API with shardsync: each of the engine's 2 workers pulls only its own
-slices, from both trainer ranks.
+"""An FSDP2 trainer (2 ranks, gloo on CPU: ``fully_shard`` of its own Hugging Face model) pushes its weights after
+every optimizer step into a real vLLM engine of TP2, through vLLM's trainer API with shardsync: each of the engine's
+2 workers pulls only its own slices, from both trainer ranks.
 
     python examples/fsdp2.py --steps 3 [--source shardsync|vllm] [--verify] [--json]
 
@@ -33,42 +33,58 @@ def trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> N
         os._exit(1)
 
 
+def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
+    """Your model: here a tiny random-init Qwen3 built from a transformers config (no download), the same on every
+    rank for the same seed."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager")
+
+
 def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> None:
     os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
     log = sys.stderr if args.json else sys.stdout
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
-    from shardsync.tools.reftrainer import RefTrainer
+    from shardsync import FSDPSource, ShardsyncTrainerInitInfo
 
-    trainer = RefTrainer(arch="qwen3", seed=0, dtype=torch.bfloat16)        # FSDP2 over both ranks
+    model = tiny_qwen3(seed=0)
+    if rank == 0:  # the engine starts from the trainer's initial weights
+        model.save_pretrained(os.path.join(work, "ckpt"))
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in model.model.layers:                                       # FSDP2 over both ranks
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     llm = None
     if rank == 0:  # the sender drives the engine; here an in-process LLM (HTTP / Ray clients work the same)
         from vllm import LLM
 
-        full = trainer.full_state_dict()
-        from shardsync.integrations.vllm.reference import save_checkpoint
-
-        # the engine starts from the trainer's initial weights
-        save_checkpoint(full, trainer.save_config(os.path.join(work, "config")), os.path.join(work, "ckpt"))
         llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                   gpu_memory_utilization=0.4, tensor_parallel_size=2, weight_transfer_config={"backend": "shardsync"})
-    else:
-        trainer.full_state_dict()  # the collective rank 0 ran to write the initial checkpoint
     if args.source == "vllm":
         from vllm.distributed.weight_transfer.base import ModuleSource
-        source = ModuleSource(trainer.model)
+        source = ModuleSource(model)
     else:
-        from shardsync.sources.fsdp import FSDPSource
-        source = FSDPSource(trainer.model)                                  # one all-gather per layer
+        source = FSDPSource(model)                                          # one all-gather per layer
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=3, rank=rank)  # 1 + 2 workers
     engine = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=source)
     g = torch.Generator().manual_seed(0)
     syncs = []
     for step in range(1, args.steps + 1):
         batch = torch.randint(0, 256, (2, 16), generator=g)
-        loss = trainer.step(batch)
+        model.train()
+        loss = model(input_ids=batch, labels=batch).loss                  # one optimizer step
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = float(loss.detach())
         out = engine.send_weights()
         syncs.append({"step": step, "loss": loss, "seconds": out["seconds"], "bytes_sent": out["bytes_sent"],
                       "gathered_bytes": out["gathered_bytes"], "gather_batches": out["gather_batches"],
@@ -78,8 +94,9 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
                   file=log)
     report: dict = {"rank": rank, "syncs": syncs}
     if args.verify:
-        full = trainer.full_state_dict()   # collective: every rank
-        if rank == 0:
+        # full tensors (DTensor.full_tensor() is a collective: every rank, in the same order)
+        full = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        if rank == 0:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
             from shardsync.integrations.vllm.reference import compare_with, fresh_reference, inspect_engine, shutdown
 
             synced = inspect_engine(llm, os.path.join(work, "synced"), tp=2)

@@ -29,6 +29,16 @@ import torch
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
+    """Your model: here a tiny random-init Qwen3 built from a transformers config (no download)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -41,12 +51,10 @@ def main() -> int:
 
     from vllm import LLM
 
-    from shardsync import ModuleSource
-    from shardsync.engine.producer import Producer, ProducerConfig
-    from shardsync.tools.reftrainer import build_model
+    from shardsync import ModuleSource, Producer, ProducerConfig
 
     work = tempfile.mkdtemp(prefix="shardsync-plain-")
-    model = build_model("qwen3", seed=0, dtype=torch.bfloat16)
+    model = tiny_qwen3(seed=0)
     model.save_pretrained(os.path.join(work, "ckpt"))
     llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
               gpu_memory_utilization=0.4, weight_transfer_config={"backend": "shardsync"})
@@ -75,7 +83,7 @@ def main() -> int:
         print(f"version {v}: {out['bytes_sent']} bytes in {out['seconds']:.3f} s, completed {out['completed']}",
               file=log)
     report = {"steps": args.steps, "version": llm.get_weight_version()}
-    if args.verify:
+    if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
         from shardsync.integrations.vllm.reference import compare_with, fresh_reference, inspect_engine
 
         synced = inspect_engine(llm, os.path.join(work, "synced"), tp=1)

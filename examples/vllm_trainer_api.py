@@ -27,6 +27,16 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 PROMPT = [1, 17, 42, 99, 7, 3]
 
 
+def tiny_qwen3(seed: int = 0) -> torch.nn.Module:
+    """Your model: here a tiny random-init Qwen3 built from a transformers config (no download)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, intermediate_size=128, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="eager")
+
+
 def start_server(ckpt: str, log, timeout_s: float = 300.0):
     """A vLLM OpenAI server with the RL routes, the shardsync backend selected; returns (process, base URL)."""
     import requests
@@ -69,11 +79,10 @@ def main() -> int:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
-    from shardsync.tools.reftrainer import build_model
+    from shardsync import ShardsyncTrainerInitInfo
 
     work = tempfile.mkdtemp(prefix="shardsync-example-")
-    model = build_model("qwen3", seed=0, dtype=torch.bfloat16)        # the trainer's policy (tiny, random init)
+    model = tiny_qwen3(seed=0)                                        # the trainer's policy (tiny, random init)
     model.save_pretrained(os.path.join(work, "ckpt"))                  # the engine starts from the same weights
     llm = server = None
     if args.client == "llm":
@@ -112,7 +121,7 @@ def main() -> int:
             print(f"step {step}: loss {loss.item():.3f}  sync {out['seconds']:.2f} s  {out['bytes_sent']} bytes  "
                   f"engine version {versions[-1]}  tokens {tokens}", file=log)
         report = {"steps": args.steps, "client": args.client, "versions": versions}
-        if args.verify:
+        if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
             from shardsync.integrations.vllm.reference import compare_with, fresh_reference
 
             synced_dir = os.path.join(work, "synced")     # every worker writes what it holds now (read-only)

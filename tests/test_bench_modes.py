@@ -9,6 +9,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.procs
+
 
 def test_bench_modes_all_json_exact_and_v1_gathers_more() -> None:
     p = subprocess.run([sys.executable, "-m", "shardsync.cli", "bench", "--mode", "all", "--syncs", "1", "--json"],

@@ -79,6 +79,7 @@ def test_a_grpo_step_makes_the_rewarded_answer_more_likely():
 
 
 # ---------------------------------------------------------------- the process host
+@pytest.mark.procs
 def test_hosted_calls_errors_timeouts_and_death():
     h = Hosted("counter", "collections:Counter", {})
     try:
@@ -111,6 +112,7 @@ def test_hosted_calls_errors_timeouts_and_death():
 
 
 # ---------------------------------------------------------------- the fresh-load check can fail
+@pytest.mark.vllm
 def test_fresh_check_passes_on_the_same_weights_and_fails_on_others(tmp_path):
     from vllm import LLM
 
@@ -169,6 +171,7 @@ def _check_loop(summary: dict, report: dict) -> None:
     assert report["per_step"][2]["members"] == ["r0/rank0", "r1/rank0"]
 
 
+@pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_demo_loop_is_exact_every_step_and_a_killed_engine_rejoins(tmp_path):
     summary, report = _demo(tmp_path)
@@ -179,6 +182,8 @@ def test_demo_loop_is_exact_every_step_and_a_killed_engine_rejoins(tmp_path):
     assert summary["reward_last"] > summary["reward_first"]
 
 
+@pytest.mark.vllm
+@pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_demo_loop_on_ray(tmp_path):
     summary, report = _demo(tmp_path, "--ray")

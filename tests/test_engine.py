@@ -14,6 +14,7 @@ from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
 CFG = ZooConfig.qwen3_moe_tiny(layers=4)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("transport", ["tcp", "nixl", "nccl:gloo"])
 def test_two_producers_two_replicas_tp2_three_syncs_bit_exact(transport: str) -> None:
     """``nccl:gloo``: the nccl transport's pair groups (one per producer-consumer pair) over gloo on CPU."""

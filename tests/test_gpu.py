@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.procs,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 

@@ -1,13 +1,21 @@
-"""The wings' dependency arrows (DESIGN.md "Layout"): checked on every module's imports, lazy ones included."""
+"""The wings' dependency arrows (DESIGN.md "Layout"): checked on every module's imports, lazy ones included.
+
+Product code is ``src/shardsync`` except ``tools/``, ``zoo/``, ``cli.py`` and any ``testing`` subpackage (e.g.
+``integrations/vllm/testing/``): it never imports that scaffolding; only ``integrations/`` (and ``tools/``, the
+CLI programs) import vllm; only ``integrations/ray`` and ``tools/`` import ray. ``import shardsync`` stays light
+(the runtime, the sharded sources and vLLM load on first use) and the examples import only its public names.
+"""
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
 
 PKG = pathlib.Path(__file__).resolve().parents[1] / "src" / "shardsync"
+EXAMPLES = PKG.parents[1] / "examples"
 
 # wing -> wings (and outside packages) it must never import
 FORBIDDEN = {
@@ -21,25 +29,73 @@ FORBIDDEN = {
     "integrations": ("shardsync.tools", "shardsync.zoo", "shardsync.cli"),
     "tools": ("shardsync.cli",),
 }
+NOT_PRODUCT = ("shardsync.tools", "shardsync.zoo", "shardsync.cli")  # and any testing subpackage
+VLLM_ALLOWED = ("shardsync.integrations", "shardsync.tools", "shardsync.cli")
+RAY_ALLOWED = ("shardsync.integrations.ray", "shardsync.tools")
+# Ray imports outside integrations/ray and tools/ found when this rule was written (issue 22), each to move or be
+# allowed by a decision; the test fails once one is gone, so that its entry goes too.
+RAY_KNOWN = {
+    "shardsync.transport.rdt": "the Ray Direct Transport (lazy `import ray`)",
+    "shardsync.integrations.verl.backend": "verl's node address (`ray.util.get_node_ip_address`)",
+}
+# `import shardsync` must not load these (they load on first use of a public name)
+HEAVY = ("vllm", "ray", "transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "shardsync.engine",
+         "shardsync.transport", "shardsync.integrations", "shardsync.sources", "shardsync.tools", "shardsync.zoo")
+# what examples may import from shardsync besides `shardsync` itself: the fresh-engine check their --verify runs
+# (test scaffolding: a testing subpackage, or the module that holds the fresh reference until it moves there)
+EXAMPLE_VERIFY = ("shardsync.integrations.vllm.reference",)
+
+
+def _module(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _package(path: pathlib.Path) -> list[str]:
+    """The package a module's relative imports start from ([] outside src/, e.g. an example)."""
+    if not path.is_relative_to(PKG.parent):
+        return []
+    return list(path.relative_to(PKG.parent).with_suffix("").parts[:-1])
+
+
+def _resolve(node: ast.ImportFrom, pkg: list[str]) -> str:
+    if not node.level:
+        return node.module or ""
+    base = pkg[: len(pkg) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    pkg = list(rel.parts[:-1]) if rel.name != "__init__" else list(rel.parts[:-1])
+    pkg = _package(path)
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg[: len(pkg) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-                out.add(mod)
-                if not node.module:
-                    out.update(f"{mod}.{a.name}" for a in node.names)
-            else:
-                out.add(node.module or "")
+            mod = _resolve(node, pkg)
+            out.add(mod)
+            if node.level and not node.module:
+                out.update(f"{mod}.{a.name}" for a in node.names)
     return out
+
+
+def _under(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == x or mod.startswith(x + ".") for x in prefixes)
+
+
+def _is_testing(mod: str) -> bool:
+    parts = mod.split(".")
+    return parts[0] == "shardsync" and "testing" in parts[1:]
+
+
+def _is_product(mod: str) -> bool:
+    return not _under(mod, NOT_PRODUCT) and not _is_testing(mod)
+
+
+@functools.cache
+def _modules() -> dict[str, set[str]]:
+    return {_module(f): _imports(f) for f in sorted(PKG.rglob("*.py"))}
 
 
 @pytest.mark.parametrize("wing", sorted(FORBIDDEN))
@@ -54,3 +110,109 @@ def test_dependencies_point_one_way(wing):
 def test_no_flat_modules_left():
     top = sorted(p.stem for p in PKG.glob("*.py"))
     assert top == ["__init__", "cli", "errors", "source", "types"], top
+
+
+def test_product_code_never_imports_tools_zoo_or_testing_scaffolding():
+    mods = _modules()
+    assert any(_is_product(m) for m in mods) and not _is_product("shardsync.integrations.vllm.testing.fresh")
+    bad = [(m, imp) for m, imps in mods.items() if _is_product(m) for imp in sorted(imps)
+           if _under(imp, ("shardsync.tools", "shardsync.zoo")) or _is_testing(imp)]
+    assert not bad, f"product code imports tools/, zoo/ or a testing subpackage: {bad}"
+
+
+def test_nothing_imports_the_cli():
+    bad = [(m, imp) for m, imps in _modules().items() if m != "shardsync.cli" for imp in imps
+           if _under(imp, ("shardsync.cli",))]
+    assert not bad, bad
+
+
+def test_only_integrations_and_tools_import_vllm():
+    bad = [(m, imp) for m, imps in _modules().items() if not _under(m, VLLM_ALLOWED) for imp in sorted(imps)
+           if _under(imp, ("vllm",))]
+    assert not bad, f"vllm imported outside integrations/ and tools/: {bad}"
+
+
+def test_only_the_ray_integration_and_tools_import_ray():
+    found = {m: sorted(imp for imp in imps if _under(imp, ("ray",))) for m, imps in _modules().items()
+             if not _under(m, RAY_ALLOWED)}
+    found = {m: imps for m, imps in found.items() if imps}
+    assert not found.keys() - RAY_KNOWN.keys(), f"ray imported outside integrations/ray and tools/: {found}"
+    assert found.keys() == RAY_KNOWN.keys(), f"no longer imports ray, drop from RAY_KNOWN: {RAY_KNOWN.keys() - found}"
+
+
+def _eager_imports(path: pathlib.Path) -> set[str]:
+    """What importing ``path`` imports at once: module-level imports, not those in functions or under
+    ``if TYPE_CHECKING``; ``from pkg import name`` also yields ``pkg.name`` (it may be a submodule)."""
+    pkg, out = _package(path), set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                mod = _resolve(node, pkg)
+                out.add(mod)
+                out.update(f"{mod}.{a.name}" for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit([n for n in getattr(node, field, []) if isinstance(n, ast.stmt | ast.excepthandler)])
+
+    visit(ast.parse(path.read_text()).body)
+    return out
+
+
+def _file_of(mod: str) -> pathlib.Path | None:
+    rel = pathlib.Path(*mod.split(".")[1:])
+    for f in (PKG / rel / "__init__.py", (PKG / rel).with_suffix(".py")):
+        if mod.startswith("shardsync") and f.is_file():
+            return f
+    return None
+
+
+def test_import_shardsync_stays_light():
+    """The eager import closure of ``shardsync/__init__.py`` (every package on the way included)."""
+    seen, todo, outside = set(), ["shardsync"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        parents = [".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)]
+        todo += [p for p in parents if p not in seen]
+        f = _file_of(mod)
+        if f is None:
+            if not mod.startswith("shardsync."):
+                outside.add(mod)
+            continue
+        todo += sorted(_eager_imports(f))
+    heavy = sorted(m for m in seen | outside if _under(m, HEAVY))
+    assert not heavy, f"import shardsync loads {heavy}"
+
+
+def test_public_names_resolve_lazily_and_unknown_ones_fail():
+    import shardsync
+
+    assert len(shardsync.__all__) == len(set(shardsync.__all__))
+    for name in shardsync.__all__:
+        assert getattr(shardsync, name).__name__ == name, name
+        assert name in dir(shardsync)
+    for internal in ("RecordingTensor", "record_plan", "GroupPacker", "loopback_sync"):
+        assert internal not in shardsync.__all__
+        with pytest.raises(AttributeError, match=internal):
+            getattr(shardsync, internal)
+    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
+    from shardsync.engine.producer import Producer
+
+    assert shardsync.ShardsyncTrainerInitInfo is ShardsyncTrainerInitInfo and shardsync.Producer is Producer
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_examples_import_only_public_names(example):
+    imps = _imports(EXAMPLES / example)
+    bad = sorted(imp for imp in imps if _under(imp, ("shardsync",)) and imp != "shardsync"
+                 and not (_is_testing(imp) or imp in EXAMPLE_VERIFY))
+    assert not bad, f"examples/{example} imports shardsync internals: {bad}"

@@ -43,6 +43,7 @@ def test_plan_json_round_trip() -> None:
     Plan.from_json(p.to_json()).verify_digest()
 
 
+@pytest.mark.procs
 def test_digest_identical_across_processes() -> None:
     out = subprocess.run([sys.executable, "-c", DIGEST_SCRIPT], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == _plan().digest

@@ -15,6 +15,7 @@ from shardsync.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
 ZOO = {"kind": "zoo", "cfg": CFG}
+pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +167,7 @@ def test_trainer_actors_to_engine_actors_over_ray_direct_transport(local_ray, tr
         close_actors(engines + trainers, group)
 
 
+@pytest.mark.vllm
 def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_ray, tmp_path) -> None:
     """A real vLLM engine inside a Ray actor (its own executor: vLLM's Ray executor refuses the CPU platform) finds
     the group by name; after each sync it equals a FRESH engine started on the trainer's weights of that version."""

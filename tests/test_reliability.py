@@ -19,6 +19,7 @@ from shardsync.zoo import ZooConfig
 CFG = ZooConfig.qwen3_moe_tiny(layers=3)
 LEASE = 2.0
 BOUND = 2 * LEASE + 1.0  # lease + renew period + poll slice, with room for a loaded 2-core machine
+pytestmark = pytest.mark.procs
 
 
 def _cluster(**kw) -> LocalCluster:

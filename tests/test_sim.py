@@ -197,6 +197,7 @@ def test_calibrate_cpu_against_the_measured_bench() -> None:
     assert c["sol_s"] < c["predicted_s"] and abs(c["rel_error"]) < 0.15
 
 
+@pytest.mark.procs
 def test_forked_workers_record_the_same_plans(monkeypatch) -> None:
     import shardsync.tools.sim_models as sm
 

@@ -115,6 +115,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     return run_rank_scripts(__file__, WORLD, tmp_path_factory.mktemp("fsdp"), LAUNCH_TIMEOUT_S, "FSDP")
 
 
+@pytest.mark.procs
 def test_fsdp_groups_exact_after_training(ranks):
     for r, res in enumerate(scenario(ranks, "fsdp")):
         assert res["init_equal"], f"rank {r}: the sharded model's first pass differs from an unsharded replica"
@@ -124,12 +125,14 @@ def test_fsdp_groups_exact_after_training(ranks):
         assert res["mismatches"] == [], f"rank {r}: not bit-exact: {res['mismatches']}"
 
 
+@pytest.mark.procs
 def test_fsdp_one_collective_per_group(ranks):
     for res in scenario(ranks, "fsdp"):
         assert res["stats"]["collectives"] == len(res["expected"])
         assert res["stats"]["gathered_bytes"] == res["full_bytes"] > 0
 
 
+@pytest.mark.procs
 def test_2d_mesh_tp_sharded_exact(ranks):
     for r, res in enumerate(scenario(ranks, "tp")):
         assert len(res["tp_sharded"]) == 14, res["tp_sharded"]  # q,k,v,o,gate,up,down of 2 layers
@@ -140,6 +143,7 @@ def test_2d_mesh_tp_sharded_exact(ranks):
         assert res["stats"]["collectives"] == len(res["expected"]) + 2 * 14
 
 
+@pytest.mark.procs
 def test_mixed_dtypes_uneven_shards(ranks):
     by_rank = scenario(ranks, "mixed")
     assert [res["local_rows"] for res in by_rank] == [[3, 1, 4, 2, 5], [2, 0, 3, 1, 4]]

@@ -253,6 +253,7 @@ def _check_exact(res: dict, r: int, expected_held: set[str]) -> None:
     assert res["stats"]["gathered_bytes"] == res["held_bytes"] < res["total_bytes"]
 
 
+@pytest.mark.procs
 def test_dense_tp2_pp2(ranks):
     zc = _zoo(False, qk_norm=True, layers=3)
     for r, res in enumerate(scenario(ranks, "dense_tp2_pp2")):
@@ -262,6 +263,7 @@ def test_dense_tp2_pp2(ranks):
         assert res["stats"]["collectives"] == len(res["groups"])        # one TP all-gather per group, none across PP
 
 
+@pytest.mark.procs
 def test_moe_ep2_pp2(ranks):
     zc = _zoo(True, qk_norm=True, layers=2)
     for r, res in enumerate(scenario(ranks, "moe_ep2_pp2")):
@@ -276,6 +278,7 @@ def test_moe_ep2_pp2(ranks):
 
 @pytest.mark.parametrize("name,per_layer", [("moe_tp2_ep2_etp2_merged", 1), ("moe_tp2_ep2_etp2_own_group", 2),
                                             ("moe_tp2_ep2_etp1", 1)])
+@pytest.mark.procs
 def test_moe_tp2_ep2(ranks, name, per_layer):
     zc = _zoo(True, qk_norm=True, layers=2)
     for r, res in enumerate(scenario(ranks, name)):

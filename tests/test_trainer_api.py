@@ -25,6 +25,7 @@ def run_example(name: str, *args: str) -> dict:
     return json.loads(lines[0])  # --json: stdout is the JSON line and nothing else
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("mode", ["llm-non-blocking", "http"])
 def test_vllm_trainer_api_example_into_a_real_engine_is_exact(mode: str) -> None:
     """Through vLLM's own clients: the in-process ``LLM`` (non-blocking sends; the blocking path runs in the FSDP2
@@ -37,6 +38,7 @@ def test_vllm_trainer_api_example_into_a_real_engine_is_exact(mode: str) -> None
     assert r["tokens"] == r["fresh_tokens"]
 
 
+@pytest.mark.vllm
 def test_fsdp2_trainer_two_ranks_into_vllm_tp2_is_exact_with_one_gather_per_group() -> None:
     r = run_example("fsdp2.py", "--steps", "3", "--verify")
     assert r["exact"] is True and r["ranks"][0]["tensors_compared"] > 0
@@ -50,11 +52,13 @@ def test_fsdp2_trainer_two_ranks_into_vllm_tp2_is_exact_with_one_gather_per_grou
     assert losses == [s["loss"] for s in r["ranks"][1]["syncs"]]  # one model, trained in step
 
 
+@pytest.mark.vllm
 def test_fsdp2_module_under_vllms_own_module_source_is_accepted_unchanged() -> None:
     r = run_example("fsdp2.py", "--steps", "2", "--source", "vllm", "--verify")
     assert r["exact"] is True and r["ranks"][0]["tensors_compared"] > 0
 
 
+@pytest.mark.vllm
 def test_plain_module_example_with_shardsyncs_own_api_is_exact() -> None:
     r = run_example("plain_module.py", "--steps", "2", "--verify")
     assert r["exact"] is True and r["tensors_compared"] > 0 and r["version"] == "2"

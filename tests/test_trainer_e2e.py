@@ -18,6 +18,7 @@ from helpers import free_port
 
 GATHER_BUDGET = 600_000
 RECV_BUDGET = 3_000_000
+pytestmark = pytest.mark.procs
 
 
 CASES = {

@@ -88,6 +88,7 @@ def _consumer(name: str, port: int, desc_q, out, go, device: str = "cpu") -> Non
         out.put(("crash", f"{type(e).__name__}: {e}"))
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", ["tcp", "torch", "nixl", "nccl:gloo", "auto"])
 def test_cross_process_contract(name: str) -> None:
     """``nccl:gloo`` is the nccl transport's protocol (request socket, one pair group per consumer, polled
@@ -95,6 +96,7 @@ def test_cross_process_contract(name: str) -> None:
     _contract(name, "cpu", "cpu")
 
 
+@pytest.mark.procs
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.parametrize("name", ["nccl", "nixl", "cuda_ipc", "auto"])

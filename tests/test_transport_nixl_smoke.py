@@ -13,6 +13,7 @@ from shardsync.errors import TransportError
 pytest.importorskip("nixl")
 
 N = 64 << 20
+pytestmark = pytest.mark.procs
 
 
 def _pattern(n: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutCo
 
 from tests.checkpoint_engine.test_utils import MockReplica
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.ray]
 HERE = Path(__file__).resolve().parent
 
 

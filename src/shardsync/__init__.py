@@ -10,28 +10,72 @@ The whole system on one line::
             → transport → consumer: unpack → scatter into the engine's buffers → engine processes layer
 
 Wings, in the order data flows (dependencies point one way, right to left):
-``cli`` → ``tools/`` (bench, baseline, demo, localcluster, sim) → ``integrations/`` (vllm) →
+``cli`` → ``tools/`` (one module per CLI command; ``tools/harness``) → ``integrations/`` (vllm, ray, verl) →
 ``engine/`` (producer, consumer, coordinator, control, loopback) → ``transport/`` and ``plan/`` (record,
 groups, coverage, pack, route, opcodec, validate) → ``types``, ``errors``, ``source``.
-``kernels/`` holds device kernels for the process step; ``zoo/`` tiny models with vLLM's loader semantics
-(tests, benchmarks and the simulator only).
+``sources/`` holds the trainer-side sources (FSDP2, Megatron); ``kernels/`` device kernels for the process
+step; ``zoo/`` tiny models with vLLM's loader semantics (tests, benchmarks and the simulator only).
+
+The public API is ``__all__``: what a user calls. The runtime, the sharded sources and vLLM's init info load
+on first use (PEP 562), so ``import shardsync`` imports neither vllm nor ray nor the runtime::
+
+    from shardsync import FSDPSource, ShardsyncTrainerInitInfo          # vLLM's trainer API (imports vllm)
+    from shardsync import ModuleSource, Producer, ProducerConfig        # or shardsync's own API
+
+    prod = Producer(ModuleSource(model), ProducerConfig(rank=0, n_producers=1, n_consumers=1, token=token))
+
+Planning internals (``RecordingTensor``, ``record_plan``, ``GroupPacker``, ...) stay importable from their
+modules (``shardsync.plan.record``, ``shardsync.plan.pack``, ...).
 """
 
 from __future__ import annotations
 
-from .plan.coverage import CoverageReport, check_coverage
-from .errors import (CoverageError, MetadataMismatch, PlanError, ShardsyncError, SyncError, TransportError,
-                     UnsupportedLoaderOp)
-from .plan.groups import group_order, weight_group
-from .engine.loopback import LocalConsumer, SyncReport, loopback_sync
-from .plan.pack import GroupPacker, GroupUnpacker, layout_group, replay
-from .plan.record import RecordingTensor, record_plan
+from typing import TYPE_CHECKING, Any
+
+from .errors import (AuthError, ChecksumError, ConsumerDropped, CoverageError, MetadataMismatch, NotMember, PlanError,
+                     ProducerLost, ShardsyncError, SyncError, TransportError, UnsupportedLoaderOp)
 from .source import ModuleSource, WeightSource
-from .types import Fill, GroupPlan, Op, ParamMeta, Plan, Scatter
+from .types import GroupPlan, ParamMeta, Plan
+
+if TYPE_CHECKING:  # the lazy names, for type checkers and readers
+    from .engine.consumer import Consumer
+    from .engine.producer import Producer, ProducerConfig
+    from .integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
+    from .sources.fsdp import FSDPSource
+    from .sources.megatron import MegatronConfig, MegatronParallel, MegatronSource
 
 __all__ = [
-    "WeightSource", "ModuleSource", "ParamMeta", "RecordingTensor", "record_plan", "Plan", "GroupPlan",
-    "Scatter", "Fill", "Op", "weight_group", "group_order", "check_coverage", "CoverageReport", "layout_group",
-    "replay", "GroupPacker", "GroupUnpacker", "LocalConsumer", "loopback_sync", "SyncReport", "ShardsyncError",
-    "UnsupportedLoaderOp", "PlanError", "CoverageError", "MetadataMismatch", "SyncError", "TransportError",
+    # trainer side
+    "WeightSource", "ModuleSource", "FSDPSource", "MegatronSource", "MegatronConfig", "MegatronParallel",
+    "Producer", "ProducerConfig",
+    # inference side
+    "Consumer", "ShardsyncTrainerInitInfo",
+    # what they exchange
+    "ParamMeta", "Plan", "GroupPlan",
+    # errors
+    "ShardsyncError", "UnsupportedLoaderOp", "PlanError", "CoverageError", "MetadataMismatch", "TransportError",
+    "AuthError", "ChecksumError", "SyncError", "ConsumerDropped", "ProducerLost", "NotMember",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: load the module behind a lazy public name on first access (and keep it)."""
+    if name in ("Producer", "ProducerConfig"):
+        from .engine import producer as mod
+    elif name == "Consumer":
+        from .engine import consumer as mod
+    elif name == "FSDPSource":
+        from .sources import fsdp as mod                            # torch.distributed.tensor
+    elif name in ("MegatronSource", "MegatronConfig", "MegatronParallel"):
+        from .sources import megatron as mod
+    elif name == "ShardsyncTrainerInitInfo":
+        from .integrations.vllm import trainer_backend as mod       # imports vllm; registers the "shardsync" backend
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
