@@ -48,7 +48,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         from vllm import LLM
 
         full = trainer.full_state_dict()
-        from shardsync.integrations.vllm.reference import save_checkpoint
+        from shardsync.integrations.vllm.testing.reference import save_checkpoint
 
         # the engine starts from the trainer's initial weights
         save_checkpoint(full, trainer.save_config(os.path.join(work, "config")), os.path.join(work, "ckpt"))
@@ -80,7 +80,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
     if args.verify:
         full = trainer.full_state_dict()   # collective: every rank
         if rank == 0:
-            from shardsync.integrations.vllm.reference import compare_with, fresh_reference, inspect_engine, shutdown
+            from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference, inspect_engine, shutdown
 
             synced = inspect_engine(llm, os.path.join(work, "synced"), tp=2)
             engine.shutdown()

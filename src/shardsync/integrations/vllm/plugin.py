@@ -8,14 +8,8 @@ BACKEND = "shardsync"
 
 
 def register() -> None:
-    import os
-
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if os.environ.get("SHARDSYNC_TEST_MODELS") == "1":  # fault-injection models for the test suite only
-        from .testing_models import register as register_test_models
-
-        register_test_models()
     from .fresh import install_snapshot_hook
 
     _request_amx()
