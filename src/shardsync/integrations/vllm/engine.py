@@ -96,7 +96,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     def __post_init__(self) -> None:
         if self.inspect_to and not self.check_fresh:
             raise ValueError("shardsync init_info: 'inspect_to' needs 'check_fresh' (the checkpoint to compare "
-                             "the engine with)")
+                             "the engine with; writing every tensor to files is test scaffolding, "
+                             "shardsync.integrations.vllm.testing)")
         if not self.inspect_to and self.coordinator is None:
             raise ValueError("shardsync init_info needs 'coordinator' (producer 0's control address) and 'token'")
 
