@@ -97,7 +97,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         # full tensors (DTensor.full_tensor() is a collective: every rank, in the same order)
         full = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         if rank == 0:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-            from shardsync.integrations.vllm.reference import compare_with, fresh_reference, inspect_engine, shutdown
+            from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference, inspect_engine, shutdown
 
             synced = inspect_engine(llm, os.path.join(work, "synced"), tp=2)
             engine.shutdown()

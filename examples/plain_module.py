@@ -84,7 +84,7 @@ def main() -> int:
               file=log)
     report = {"steps": args.steps, "version": llm.get_weight_version()}
     if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-        from shardsync.integrations.vllm.reference import compare_with, fresh_reference, inspect_engine
+        from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference, inspect_engine
 
         synced = inspect_engine(llm, os.path.join(work, "synced"), tp=1)
         state = {k: t.detach().clone() for k, t in model.state_dict().items()}

@@ -122,7 +122,7 @@ def main() -> int:
                   f"engine version {versions[-1]}  tokens {tokens}", file=log)
         report = {"steps": args.steps, "client": args.client, "versions": versions}
         if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-            from shardsync.integrations.vllm.reference import compare_with, fresh_reference
+            from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference
 
             synced_dir = os.path.join(work, "synced")     # every worker writes what it holds now (read-only)
             client.init_weight_transfer_engine({"inspect_to": synced_dir} if llm is None else

@@ -171,7 +171,7 @@ def test_trainer_actors_to_engine_actors_over_ray_direct_transport(local_ray, tr
 def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_ray, tmp_path) -> None:
     """A real vLLM engine inside a Ray actor (its own executor: vLLM's Ray executor refuses the CPU platform) finds
     the group by name; after each sync it equals a FRESH engine started on the trainer's weights of that version."""
-    from shardsync.integrations.vllm.checkpoints import build_tiny_checkpoint
+    from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
     group = "policy-vllm"

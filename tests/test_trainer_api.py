@@ -18,8 +18,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_example(name: str, *args: str) -> dict:
+    """The example with the test registration in its vLLM processes: its ``--verify`` inspects its engine."""
+    from shardsync.integrations.vllm.testing import plugin
+
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args, "--json"], capture_output=True,
-                          text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **plugin.env()})
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(lines[0])  # --json: stdout is the JSON line and nothing else

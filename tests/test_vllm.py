@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from shardsync.integrations.vllm import tiny_archs
-from shardsync.integrations.vllm.checkpoints import build_tiny_checkpoint, with_architecture
+from shardsync.integrations.vllm.testing import plugin, tiny_archs
+from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, with_architecture
 
 pytestmark = pytest.mark.vllm
 
@@ -98,7 +98,7 @@ def test_unrecordable_loader_takes_the_fallback_path(ckpts, tmp_path) -> None:
     """A loader that computes values (``w * 2``) cannot be replayed by the trainer: that tensor is sent
     whole and loaded by vLLM's real loader at sync time; the rest keeps the fast path."""
     bad = with_architecture(ckpts("qwen3"), str(tmp_path / "scaled-norm"), "ShardsyncScaledNormQwen3ForCausalLM")
-    rc, r, log = verify(bad, env={"SHARDSYNC_TEST_MODELS": "1"})
+    rc, r, log = verify(bad, env=plugin.env(models=True))  # the test models, registered in every vLLM process
     assert rc == 0 and r["exact"] is True and r["tokens_match"] is True, log[-4000:]
     (fb,) = r["fallback"]
     assert fb["src"] == "model.norm.weight" and fb["dests"] == ["model.norm.weight"] and fb["bytes"] > 0

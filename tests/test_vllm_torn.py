@@ -1,8 +1,8 @@
 """No torn version is ever served (real vLLM, CPU build).
 
 ``HeldVersions`` (which version each weight group of a rank holds) is checked on a table first. Then one
-engine (tiny Qwen3, TP1, driver mode: metadata in init_info, packed groups pushed in update_info) is
-shared by the first tests, which run in order and build on each other's state:
+engine (tiny Qwen3, TP1, the testing engine's driver push: metadata in init_info, packed groups pushed in
+update_info) is shared by the first tests, which run in order and build on each other's state:
 
 1. a complete sync is served and named;
 2. an update refused before it applied anything leaves the engine serving its version;
@@ -31,11 +31,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardsync.integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
 from shardsync.integrations.vllm.guard import HeldVersions, TornWeightsError, check_outputs
-from shardsync.integrations.vllm.reference import (PROMPT, compare_with, cpu_env, engine_kwargs, fresh_reference,
-                                                   inspect_engine, shutdown)
-from shardsync.integrations.vllm.trainer import pack_updates, read_plans
+from shardsync.integrations.vllm.testing.reference import (PROMPT, compare_with, cpu_env, engine_kwargs,
+                                                           fresh_reference, inspect_engine, shutdown)
+from shardsync.integrations.vllm.testing.push import pack_updates, read_plans
 from shardsync.source import ModuleSource
 
 vllm = pytest.mark.vllm  # the engine tests; the first one is pure
@@ -248,7 +248,7 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from shardsync.engine.producer import Producer, ProducerConfig
-from shardsync.integrations.vllm.checkpoints import load_checkpoint, perturb
+from shardsync.integrations.vllm.testing.checkpoints import load_checkpoint, perturb
 from shardsync.source import ModuleSource
 prod = Producer(ModuleSource(perturb(load_checkpoint(sys.argv[1]), 1)),
                 ProducerConfig(rank=0, n_producers=1, n_consumers=1, token="tok", timeout_s=30.0))
@@ -262,7 +262,7 @@ DRIVER = """
 import json, os, signal, sys, tempfile, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: its shutdown runs in this exit
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from shardsync.integrations.vllm.reference import engine_kwargs
+from shardsync.integrations.vllm.testing.reference import engine_kwargs
 
 if __name__ == "__main__":
     ckpt, address, producer_pid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.cmd == "verify":  # its human summary goes to stderr itself; its JSON line to stdout
-        from .integrations.vllm.verify import run_verify
+        from .tools.verify import run_verify
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
                           validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference)

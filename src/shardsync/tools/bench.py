@@ -121,7 +121,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     import os
     import tempfile
 
-    from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+    from ..integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
     from ..integrations.vllm.replicas import VllmReplicas, _parallel
     from ..types import dtype_name
 

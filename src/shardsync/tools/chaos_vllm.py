@@ -41,7 +41,7 @@ def _replica_main(name: str, ckpt: str, init_info: dict, cmd: Any, out: Any) -> 
     os.setpgrp()  # the parent kills the whole engine (this driver, its engine core, its workers) as one
     try:
         from ..integrations.vllm.guard import TornWeightsError, check_outputs
-        from ..integrations.vllm.reference import PROMPT, cpu_env, engine_kwargs, inspect_engine
+        from ..integrations.vllm.testing.reference import PROMPT, cpu_env, engine_kwargs, inspect_engine
         from vllm import LLM, SamplingParams
 
         cpu_env(1)
@@ -114,8 +114,8 @@ class _Replica:
 
 def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch: str = "qwen3",
                    as_json: bool = False, workdir: str | None = None) -> dict[str, Any]:
-    from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-    from ..integrations.vllm.reference import compare_with, fresh_reference
+    from ..integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+    from ..integrations.vllm.testing.reference import compare_with, fresh_reference
 
     rng = random.Random(seed)
     work = workdir or tempfile.mkdtemp(prefix="shardsync-chaos-vllm-")

@@ -47,7 +47,7 @@ def weights_at(spec: dict):
 
         zc = ZooConfig(**spec["cfg"])
         return lambda v: hf_state_dict(zc, seed=v)
-    from ..integrations.vllm.checkpoints import load_checkpoint, perturb
+    from ..integrations.vllm.testing.checkpoints import load_checkpoint, perturb
 
     base = load_checkpoint(spec["path"])
     return lambda v: perturb(base, v)

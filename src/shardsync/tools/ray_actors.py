@@ -114,7 +114,7 @@ class VllmEngine:
         return {"ok": True, "version": version, "bytes_received": sum(s["bytes_received"] for s in self.reps.status())}
 
     def check(self, version: int) -> dict[str, Any]:
-        from ..integrations.vllm.checkpoints import load_checkpoint, perturb
+        from ..integrations.vllm.testing.checkpoints import load_checkpoint, perturb
 
         exact, bad, n = self.reps.check_against_fresh(perturb(load_checkpoint(self.model_dir), version))
         return {"exact": exact, "mismatched": bad[:5], "compared": n}

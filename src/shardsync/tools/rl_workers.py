@@ -81,7 +81,7 @@ class PolicyRank:
         """The trainer's full weights of ``version`` (a collective: every rank): rank 0 writes them as a
         checkpoint; every rank returns their hash."""
         from ..integrations.vllm.fresh_load import state_digest
-        from ..integrations.vllm.reference import save_checkpoint
+        from ..integrations.vllm.testing.reference import save_checkpoint
 
         full = self.trainer.full_state_dict()
         path = os.path.join(self.work, f"ckpt-v{version}")
@@ -104,7 +104,7 @@ class PolicyRank:
 class RolloutEngine:
     def __init__(self, *, name: str, checkpoint: str, work: str, coordinator: Any = None, token: str = "",
                  group: str | None = None, timeout_s: float = 120.0):
-        from ..integrations.vllm.reference import cpu_env, engine_kwargs
+        from ..integrations.vllm.testing.reference import cpu_env, engine_kwargs
         from vllm import LLM
 
         cpu_env(1)
@@ -164,7 +164,7 @@ class RolloutEngine:
         return res
 
     def close(self) -> None:
-        from ..integrations.vllm.reference import shutdown
+        from ..integrations.vllm.testing.reference import shutdown
 
         try:
             self.llm.llm_engine.collective_rpc("shutdown_weight_transfer_engine", timeout=10)

@@ -14,7 +14,7 @@ import time
 
 from .output import emit_json
 from .localcluster import LocalCluster
-from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+from ..integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
 from ..integrations.vllm.replicas import VllmReplicas, _parallel
 
 

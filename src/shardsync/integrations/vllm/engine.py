@@ -1,19 +1,17 @@
-"""The ``shardsync`` vLLM weight-transfer backend (runs inside every vLLM worker).
+"""The ``shardsync`` vLLM weight-transfer backend (runs inside every vLLM worker), in pull mode.
 
-Driver side, with vLLM's own RL API::
+Driver side, with vLLM's own RL API (or ``trainer_backend``, which sends the same calls)::
 
     llm = LLM(model=..., weight_transfer_config={"backend": "shardsync"})
-    llm.init_weight_transfer_engine({"init_info": {"metadata": [m.to_dict() for m in source.metadata()],
-                                                   "plan_dir": "/tmp/plans"}})
-    plans = read_plans("/tmp/plans", world_size)              # each worker wrote the plan it recorded
+    llm.init_weight_transfer_engine({"init_info": {"coordinator": [host, port], "token": token}})
     llm.start_weight_update()
-    llm.update_weights({"update_info": pack_updates(plans, source, version=1)})   # one dict per rank
-    llm.finish_weight_update(weight_version="1")
+    llm.update_weights({"update_info": {"version": v}})    # every worker pulls its own slices
+    llm.finish_weight_update(weight_version=str(v))
 
-Pull mode (the transfer engine): pass ``coordinator``/``token`` in init_info instead of ``metadata``; each
-worker then registers its plan with the producers and ``update_weights({"update_info": {"version": v}})``
-makes every worker pull its own slices from the producers that hold them, in parallel with the trainer
-ranks' ``Producer.sync(v)``.
+``coordinator``/``token`` name producer 0's control server; each worker registers its plan with the producers
+and ``update_weights`` makes every worker pull its own slices from the producers that hold them, in parallel
+with the trainer ranks' ``Producer.sync(v)``. ``{"inspect_to": dir, "check_fresh": checkpoint}`` as init info
+instead compares what each worker holds with a fresh load of ``checkpoint`` (``fresh_load``; read-only).
 
 At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
 ``load_weights`` (live weights untouched), checks it against the real loaders on random data
@@ -48,10 +46,9 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from ...errors import PlanError, SyncError
-from ...types import ParamMeta, metadata_digest
+from ...types import metadata_digest
 from .compat import check_supported
 from .plugin import require_plugin
-from .engine_state import write_inspection
 from .fresh_load import fresh_check
 from .guard import HeldVersions
 from .layerwise import LayerApplier, check_processing, record_vllm_plan, validate_plan, vllm_context
@@ -68,65 +65,49 @@ producers that stopped answering must hold neither."""
 
 @dataclass
 class ShardsyncInitInfo(WeightTransferInitInfo):
-    metadata: list[dict[str, Any]] = field(default_factory=list)
-    """The trainer's ParamMeta list (``ParamMeta.to_dict()``), in the trainer's order."""
     plan_dir: str = ""
-    """Where each worker writes ``plan_rank{R}.json`` (and its init / status files)."""
+    """Where each worker writes ``plan_rank{R}.json`` (and its init / status files; default: a temp dir)."""
     validate: bool = True
     """Check the recorded plan against the real loaders on random data, and each layer kind's processing
     against a first load (scratch tensors). Without it every layer is processed in ``rebind`` mode."""
     consumer: str = ""
     coordinator: list[Any] | None = None
-    """Pull mode: address [host, port] of producer 0's control server. Workers then learn the metadata
-    from it, register their plans, and pull every sync from the producers (no data through the driver)."""
+    """Address [host, port] of producer 0's control server. Workers learn the metadata from it, register
+    their plans, and pull every sync from the producers (no data through the driver)."""
     token: str = ""
     transport: str = "tcp"
     transport_kwargs: dict[str, Any] = field(default_factory=dict)
     recv_device: str = "auto"
-    """Pull mode: where the receive slots live. ``auto``: the worker's GPU when it has one and the transport moves
+    """Where the receive slots live. ``auto``: the worker's GPU when it has one and the transport moves
     GPU memory (anything but ``tcp``), else host memory; ``cpu``; or a device such as ``cuda:0``."""
     replica: str = ""
     """This engine's replica id (consumers are ``{replica}/rank{R}``); default ``vllm-{instance id}``, unique per
     engine, so one init payload can go to several replicas (vLLM's Ray client fans out)."""
     timeout_s: float = 120.0
     verify_checksums: bool = False
-    """Pull mode: demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
+    """Demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
     recv_budget_bytes: int | None = None
-    """Pull mode: the most bytes this worker's receive buffers may take (at least two of its largest groups)."""
+    """The most bytes this worker's receive buffers may take (at least two of its largest groups)."""
     inspect_to: str = ""
-    """Only write what the engine holds now (every tensor, probe outputs) to
-    ``{inspect_to}/inspect_rank{R}.safetensors`` and return: no plan, engine state untouched. Used to
-    compare a synced engine with a fresh one (``verify``, the demo, the benchmark)."""
+    """With ``check_fresh``: the directory each worker writes ``fresh_rank{R}.json`` to."""
     check_fresh: str = ""
-    """With ``inspect_to``: instead compare what the engine holds with a fresh load of this checkpoint directory
+    """With ``inspect_to``: only compare what the engine holds with a fresh load of this checkpoint directory
     (vLLM's model loader on this worker's config, ``fresh_load.fresh_check``) and write the outcome to
-    ``{inspect_to}/fresh_rank{R}.json``; engine state untouched."""
+    ``{inspect_to}/fresh_rank{R}.json``; no plan, engine state untouched."""
 
     def __post_init__(self) -> None:
-        if self.inspect_to:
-            return
-        if not self.plan_dir and self.coordinator is None:
-            raise ValueError("shardsync init_info needs 'plan_dir' (driver mode: workers write their plans there)")
-        if not self.metadata and self.coordinator is None:
-            raise ValueError("shardsync init_info needs 'metadata' (driver mode) or 'coordinator' (pull mode)")
+        if self.inspect_to and not self.check_fresh:
+            raise ValueError("shardsync init_info: 'inspect_to' needs 'check_fresh' (the checkpoint to compare "
+                             "the engine with; writing every tensor to files is test scaffolding, "
+                             "shardsync.integrations.vllm.testing)")
+        if not self.inspect_to and self.coordinator is None:
+            raise ValueError("shardsync init_info needs 'coordinator' (producer 0's control address) and 'token'")
 
 
 @dataclass
 class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
-    plan_digest: str = ""
-    groups: list[Any] = field(default_factory=list)
-    """[[group name, packed bytes], ...] in transfer order."""
-    op: str = "sync"
-    """``sync`` (packed groups, or a pull in pull mode) or ``full`` (full tensors for vLLM's own loaders;
-    the benchmark's baseline — processed by the same first-load processing)."""
-
-    tensors: list[Any] = field(default_factory=list)
-    """op ``full`` (the broadcast baseline): [[name, dtype, shape, bytes], ...] full tensors for vLLM's loaders."""
-
-    def __post_init__(self) -> None:
-        if self.op not in ("sync", "full"):
-            raise ValueError(f"unknown shardsync update op {self.op!r}")
+    """The version to pull: every worker pulls its slices of it from the producers."""
 
 
 def _rank() -> int:
@@ -192,18 +173,15 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
-        if init_info.inspect_to:  # read-only: what this engine holds now
+        if init_info.inspect_to:  # read-only: what this engine holds vs a fresh load of a checkpoint
             os.makedirs(init_info.inspect_to, exist_ok=True)
-            if init_info.check_fresh:
-                out = fresh_check(self.model, self.vllm_config, init_info.check_fresh, rank=self.rank)
-                _write_json(os.path.join(init_info.inspect_to, f"fresh_rank{self.rank}.json"), out)
-                return
-            write_inspection(self.model, os.path.join(init_info.inspect_to, f"inspect_rank{self.rank}.safetensors"))
+            out = fresh_check(self.model, self.vllm_config, init_info.check_fresh, rank=self.rank)
+            _write_json(os.path.join(init_info.inspect_to, f"fresh_rank{self.rank}.json"), out)
             return
         t0 = time.perf_counter()
         replica = init_info.replica or f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'r0'}"
         consumer = init_info.consumer or f"{replica}/rank{self.rank}"
-        if not init_info.plan_dir:  # pull mode: plans go to the coordinator; the files are for inspection only
+        if not init_info.plan_dir:  # plans go to the coordinator; the files are for inspection only
             import tempfile
             init_info.plan_dir = os.path.join(tempfile.gettempdir(), f"shardsync-{replica.replace('/', '_')}")
         found: dict[str, Any] = {}
@@ -216,23 +194,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                 if init_info.validate else 0
             return plan
 
-        if init_info.coordinator is not None:  # pull mode: the transfer engine
-            from ...engine.consumer import Consumer
-
-            self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
-                                     apply=self._apply, transport=init_info.transport,
-                                     transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
-                                     verify_checksums=init_info.verify_checksums,
-                                     recv_budget_bytes=init_info.recv_budget_bytes,
-                                     device=_recv_device(init_info, self.device))
-            try:
-                self.plan = self.consumer.init()
-            except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init
-                consumer_obj, self.consumer = self.consumer, None
-                _close_bounded(consumer_obj, goodbye=False, rank=self.rank)
-                raise
-        else:
-            self.plan = record([ParamMeta.from_dict(d) for d in init_info.metadata])
+        self.plan = self._find_plan(init_info, consumer, record)
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
         aliases, kinds = check_processing(self.model, self.vllm_config, self.plan, rank=self.rank,
                                           validate=init_info.validate)
@@ -252,6 +214,24 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             "processing": {k: r.to_dict() for k, r in kinds.items()},
             "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
         self._write_status({"op": "init", "missing_groups": []})
+
+    def _find_plan(self, init_info: ShardsyncInitInfo, consumer: str, record) -> Any:
+        """This worker's plan: recorded (``record(metas)``) against the metadata the coordinator serves and
+        registered with the producers by the consumer, which then pulls every sync."""
+        from ...engine.consumer import Consumer
+
+        self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
+                                 apply=self._apply, transport=init_info.transport,
+                                 transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
+                                 verify_checksums=init_info.verify_checksums,
+                                 recv_budget_bytes=init_info.recv_budget_bytes,
+                                 device=_recv_device(init_info, self.device))
+        try:
+            return self.consumer.init()
+        except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init
+            consumer_obj, self.consumer = self.consumer, None
+            _close_bounded(consumer_obj, goodbye=False, rank=self.rank)
+            raise
 
     # ---------------------------------------------------------------- update lifecycle
     def start_weight_update(self) -> None:
@@ -280,8 +260,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             torch.accelerator.synchronize()
 
     def _apply(self, group: str, buf: torch.Tensor) -> None:
-        """Scatter one group into the layerwise buffers and process the layers it completes (in pull mode
-        on the consumer's apply thread, in driver mode inline)."""
+        """Scatter one group into the layerwise buffers and process the layers it completes (on the
+        consumer's apply thread)."""
         assert self.applier is not None
         self.held.writing(group)  # until it is applied, a failure leaves this group half-written
         with vllm_context(self.vllm_config):
@@ -291,58 +271,25 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._bytes += self.applier.layouts[group].nbytes
 
     def receive_weights(self, info: ShardsyncUpdateInfo) -> None:
-        if self.plan is None or self.applier is None:
+        if self.plan is None or self.applier is None or self.consumer is None:
             raise SyncError(f"rank {self.rank}: update_weights before init_weight_transfer_engine")
-        if not self._started or (self._received and (info.op != "sync" or self.consumer is not None)):
+        if not self._started or self._received:
             # outside a start/finish window the layers are live kernel tensors, not checkpoint-format buffers
             raise SyncError(f"rank {self.rank}: update_weights needs start_weight_update first, and one pull per "
                             "start/finish window")
         self._received = True
-        self._op = info.op
-        if info.op == "sync" and self.consumer is not None:  # pull every group from the producers
-            try:
-                self._check_newer(info.version)
-            except SyncError as e:  # the producers stop waiting for this worker at once, told why
-                self.consumer.abandon(info.version, str(e))
-                raise
-            self.held.pending = info.version
-            try:
-                self.consumer.sync(info.version)
-            except BaseException:
-                self._peer_failed = True  # its producers may not answer: shutdown says no goodbye
-                raise
-            self._peer_failed = False
-            return
-        with vllm_context(self.vllm_config):
-            if info.op == "full":  # the baseline: every full tensor reaches every worker, vLLM's loaders keep a share
-                from ...types import dtype_of
-
-                self.held.pending = info.version
-                self.held.writing(*self.held.groups)  # vLLM's loaders write any layer in any order
-                self.model.load_weights([(n, torch.frombuffer(bytearray(b), dtype=dtype_of(d)).view(shape))
-                                         for n, d, shape, b in info.tensors])
-                for g in list(self.held.groups):
-                    self.held.written(g)
-                self._bytes = sum(len(t[3]) for t in info.tensors)
-                return
-            if self.consumer is not None:
-                raise SyncError(f"rank {self.rank}: this engine pulls from producers; packed groups were pushed")
-            if info.plan_digest != self.plan.digest:
-                raise PlanError(f"rank {self.rank}: update packed for plan {info.plan_digest[:12]!r}, this worker "
-                                f"recorded {self.plan.digest[:12]!r}")
+        try:  # pull every group from the producers
             self._check_newer(info.version)
-            if self.held.pending is not None and info.version != self.held.pending:
-                raise SyncError(f"rank {self.rank}: this window applies version {self.held.pending}; a chunk of "
-                                f"version {info.version} was pushed into it")
-            self.held.pending = info.version
-            for gname, data in info.groups:
-                if gname not in self.applier.layouts:
-                    raise SyncError(f"rank {self.rank}: received group {gname!r}, which is not in its plan")
-                expected = self.applier.layouts[gname].nbytes
-                if len(data) != expected:
-                    raise SyncError(f"rank {self.rank}: group {gname!r} has {len(data)} bytes, expected {expected}")
-                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
-                self._apply(gname, buf)
+        except SyncError as e:  # the producers stop waiting for this worker at once, told why
+            self.consumer.abandon(info.version, str(e))
+            raise
+        self.held.pending = info.version
+        try:
+            self.consumer.sync(info.version)
+        except BaseException:
+            self._peer_failed = True  # its producers may not answer: shutdown says no goodbye
+            raise
+        self._peer_failed = False
 
     def _check_newer(self, version: int) -> None:
         if version <= self.held.version:
@@ -355,7 +302,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if self.plan is None or self.processor is None:
             raise SyncError(f"rank {self.rank}: finish_weight_update before init_weight_transfer_engine")
         self._started = False
-        missing = [g.name for g in self.plan.groups if g.name not in self._applied] if self._op == "sync" else []
+        missing = self._missing_groups()
         if self.held.pending is None:  # a window without any update: nothing applied, nothing changes
             missing = []
         try:
@@ -376,6 +323,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                 f"the engine holds TORN weights ({self.held.holds()}) and refuses to serve until a "
                                 "later sync completes" if self.held.torn else
                                 f"nothing was applied, the engine keeps version {self.held.version}"))
+
+    def _missing_groups(self) -> list[str]:
+        """The plan's groups this window did not apply."""
+        assert self.plan is not None
+        return [g.name for g in self.plan.groups if g.name not in self._applied]
 
     def reset_weight_update_target(self) -> None:
         """vLLM calls this after a failed start/update (and after every finish; the guard calls it after a

@@ -1,4 +1,4 @@
-"""What an engine holds, for a byte comparison with a FRESH engine loaded from the same weights.
+"""What an engine holds, for a byte comparison with a FRESH load of the same weights (``fresh_load``).
 
 Every parameter and buffer of every module (by dotted name, after processing — e.g. CPU-prepacked MoE
 experts), tensors kept as plain attributes of a module or its quant method, and, where CPU vLLM keeps
@@ -6,7 +6,7 @@ weights in opaque packed handles (linear layers, LM heads), the outputs of each 
 fixed probe input.
 
     tensors = inspect_model(model)                  # {"t:<name>": tensor, "p:<module>#<i>": probe output}
-    n, bad = compare_files(a_path, b_path)          # keys compared, keys that differ (or exist on one side)
+    n, bad = compare(tensors, other)                # keys compared, keys that differ (or exist on one side)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 from ...plan.validate import same_bytes
 from .fresh import probe
 
-__all__ = ["inspect_model", "compare", "compare_files", "write_inspection", "is_weight_state", "weight_state_attrs"]
+__all__ = ["inspect_model", "compare", "is_weight_state", "weight_state_attrs"]
 
 
 def inspect_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,21 +60,7 @@ def weight_state_attrs(mod: nn.Module) -> dict[str, torch.Tensor]:
             for n, t in d.items() if is_weight_state(n, t)}
 
 
-def write_inspection(model: nn.Module, path: str) -> int:
-    from safetensors.torch import save_file
-
-    tensors = inspect_model(model)
-    save_file(tensors, path)
-    return len(tensors)
-
-
 def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[int, list[str]]:
     bad = sorted(f"{k} (only in {'synced' if k in a else 'fresh'})" for k in a.keys() ^ b.keys())
     bad += [k for k in sorted(a.keys() & b.keys()) if not same_bytes(a[k], b[k])]
     return len(a.keys() | b.keys()), bad
-
-
-def compare_files(a_path: str, b_path: str) -> tuple[int, list[str]]:
-    from safetensors.torch import load_file
-
-    return compare(load_file(a_path), load_file(b_path))

@@ -13,7 +13,7 @@ import tempfile
 import threading
 from typing import Any, Callable
 
-from .reference import compare_with, cpu_env, engine_kwargs, fresh_reference, generate, inspect_engine, shutdown
+from .testing.reference import compare_with, cpu_env, engine_kwargs, fresh_reference, generate, inspect_engine, shutdown
 
 
 def _parallel(fns: list[Callable[[], Any]]) -> list[Any]:

@@ -17,11 +17,11 @@ import tempfile
 import time
 import traceback
 
-
-from ...source import ModuleSource
-from .checkpoints import load_checkpoint, perturb
-from .reference import compare_with, cpu_env, engine_kwargs, fresh_reference, generate, inspect_engine, shutdown
-from .trainer import pack_updates, read_plans
+from ..integrations.vllm.testing.checkpoints import load_checkpoint, perturb
+from ..integrations.vllm.testing.push import pack_updates, read_plans
+from ..integrations.vllm.testing.reference import (compare_with, cpu_env, engine_kwargs, fresh_reference, generate,
+                                                   inspect_engine, shutdown)
+from ..source import ModuleSource
 
 
 def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = True, seed: int = 1,

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from ...errors import MetadataMismatch, TransportError
-from ...plan.groups import group_order
-from ...plan.pack import GroupPacker, layout_group
-from ...source import WeightSource, check_tensor
-from ...types import Plan, metadata_digest
+from ....errors import MetadataMismatch, TransportError
+from ....plan.groups import group_order
+from ....plan.pack import GroupPacker, layout_group
+from ....source import WeightSource, check_tensor
+from ....types import Plan, metadata_digest
 
 
 def read_plans(plan_dir: str, world_size: int, *, timeout_s: float = 60.0) -> list[Plan]:

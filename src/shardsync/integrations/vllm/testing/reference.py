@@ -3,7 +3,7 @@
     ref = fresh_reference(src_dir, full_state, tp=2, ep=False, out_dir=tmp)   # writes a checkpoint, starts
     n, bad = compare_with(synced_paths, ref.paths)                            # an engine, inspects, stops it
 
-Both engines are inspected the same way (``engine_state``): every parameter and buffer after processing
+Both engines are inspected the same way (``inspection``): every parameter and buffer after processing
 and the outputs of every linear / LM-head kernel on a fixed probe input; greedy tokens where CPU vLLM can
 generate.
 """
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine_state import compare_files
+from .inspection import compare_files
+from .plugin import enable
 
 PROMPT = [{"prompt_token_ids": [1, 17, 42, 99, 7, 3]}]
 
@@ -27,6 +28,10 @@ __all__ = ["FreshReference", "fresh_reference", "inspect_engine", "compare_with"
 
 
 def engine_kwargs(model_dir: str, tp: int, expert_parallel: bool, **extra) -> dict:
+    """``LLM`` arguments for a test engine on ``model_dir``. Enables the test registration first (``plugin.enable``):
+    in every process of the engine, the ``shardsync`` backend is then the testing engine (``testing.engine``:
+    inspection, driver push, the full baseline, on top of the product's pull mode)."""
+    enable()
     return dict(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                 gpu_memory_utilization=0.4, tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
                 weight_transfer_config={"backend": "shardsync"}, **extra)

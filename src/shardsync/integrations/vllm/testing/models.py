@@ -1,4 +1,6 @@
-"""Fault-injection models for tests (registered only when ``SHARDSYNC_TEST_MODELS=1``).
+"""Fault-injection models for tests, registered in vLLM's ``ModelRegistry`` by ``register`` — in every vLLM process
+where a test enabled them (``plugin.enable(models=True)`` / ``plugin.env(models=True)``, a ``vllm.general_plugins``
+entry point named ``shardsync_testing_models``).
 
 ``ShardsyncScaledNormQwen3ForCausalLM`` is Qwen3 whose loader scales the final norm weight
 (``w * 2``): arithmetic on a checkpoint tensor, which no trainer-side view can replay, so
@@ -21,6 +23,7 @@ class ShardsyncScaledNormQwen3ForCausalLM(Qwen3ForCausalLM):
 
 
 def register() -> None:
+    """The test models (once per process)."""
     from vllm import ModelRegistry
 
     if ARCH not in ModelRegistry.get_supported_archs():
