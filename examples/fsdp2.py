@@ -66,6 +66,10 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
     if rank == 0:  # the sender drives the engine; here an in-process LLM (HTTP / Ray clients work the same)
         from vllm import LLM
 
+        if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
+            from shardsync.integrations.vllm.testing import plugin
+
+            plugin.enable()
         llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                   gpu_memory_utilization=0.4, tensor_parallel_size=2, weight_transfer_config={"backend": "shardsync"})
     if args.source == "vllm":

@@ -56,6 +56,10 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="shardsync-plain-")
     model = tiny_qwen3(seed=0)
     model.save_pretrained(os.path.join(work, "ckpt"))
+    if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
+        from shardsync.integrations.vllm.testing import plugin
+
+        plugin.enable()
     llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
               gpu_memory_utilization=0.4, weight_transfer_config={"backend": "shardsync"})
 

@@ -84,6 +84,10 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="shardsync-example-")
     model = tiny_qwen3(seed=0)                                        # the trainer's policy (tiny, random init)
     model.save_pretrained(os.path.join(work, "ckpt"))                  # the engine starts from the same weights
+    if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
+        from shardsync.integrations.vllm.testing import plugin
+
+        plugin.enable()                                                # this process and the server it starts
     llm = server = None
     if args.client == "llm":
         llm = client = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True,
