@@ -40,7 +40,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import control as m
+from . import messages as m
+from .control import ControlClient
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
 from .recvslots import RecvSlots
@@ -102,8 +103,8 @@ class Consumer:
         """A failed sync applied some groups: the engine holds a mix of versions until a sync completes."""
         self.rejoins = 0
         self.heartbeat: Heartbeat | None = None
-        self.clients: dict[int, m.ControlClient] = {}
-        self.rclients: dict[int, m.ControlClient] = {}  # releases: a second connection per producer
+        self.clients: dict[int, ControlClient] = {}
+        self.rclients: dict[int, ControlClient] = {}  # releases: a second connection per producer
         self.peers: dict[int, tuple[int, Any]] = {}  # producer -> (incarnation, desc) connected
         self._lock = threading.Lock()  # session changes (rejoin) vs. a sync reading it
         self._apply_thread: threading.Thread | None = None
@@ -112,7 +113,7 @@ class Consumer:
     def init(self) -> Plan:
         t0 = time.perf_counter()
         peer = "coordinator (producer 0)"
-        self.coord = m.ControlClient(self.coordinator, self.token, peer=peer, max_frame_bytes=self.max_frame_bytes)
+        self.coord = ControlClient(self.coordinator, self.token, peer=peer, max_frame_bytes=self.max_frame_bytes)
         w = _expect(self.coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5), m.Welcome, peer)
         self.session, self.lease_s = w.session, w.lease_s
         self.heartbeat = Heartbeat(self.coordinator, self.token, m.Renew(consumer=self.id, session=self.session),
@@ -320,9 +321,9 @@ class Consumer:
                 if old is not None:
                     old.close()
             try:
-                self.clients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
+                self.clients[p] = ControlClient(info["address"], self.token, peer=f"producer {p}",
                                                   connect_timeout_s=self.lease_s)
-                self.rclients[p] = m.ControlClient(info["address"], self.token, peer=f"producer {p}",
+                self.rclients[p] = ControlClient(info["address"], self.token, peer=f"producer {p}",
                                                    connect_timeout_s=self.lease_s)
                 self.transport.connect(p, desc)
             except TransportError as e:

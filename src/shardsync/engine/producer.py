@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from . import control as m
+from . import messages as m
+from .control import ControlClient, ControlServer
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
@@ -115,7 +116,7 @@ class Producer(ServedVersions):
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
             lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s) \
             if cfg.rank == 0 else None
-        self.server = m.ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
+        self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
                                       max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
@@ -177,7 +178,7 @@ class Producer(ServedVersions):
         if coord is None:
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
-        self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
+        self.client = ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
                                       max_frame_bytes=cfg.max_frame_bytes)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
                             meta_digest=metadata_digest(self.metas), node=cfg.node)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import control as m
+from . import messages as m
 from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
 
 __all__ = ["VersionState", "ServedVersions"]
