@@ -37,6 +37,7 @@ log = logging.getLogger("shardsync.control")
 
 class ControlServer:
     """Threaded server: one thread per connection, ``handler(msg)`` may block (bounded by its own timeouts).
+    It serves each producer (and the coordinator on rank 0) and verl's rendezvous (``integrations/verl``).
 
     ``idle_timeout_s`` closes a connection that sends nothing for that long (clients reconnect);
     an unauthenticated connection gets ``auth_timeout_s``. ``inflight()`` counts requests being handled
