@@ -24,7 +24,9 @@ from typing import Any, Union
 
 import msgspec
 
-__all__ = ["Msg", "encode", "decode", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
+from ..errors import TransportError
+
+__all__ = ["Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
            "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
            "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
@@ -247,3 +249,10 @@ def encode(msg: Msg) -> bytes:
 def decode(payload: bytes) -> Msg:
     """One of :data:`Msg` (``msgspec.DecodeError`` for anything else)."""
     return _dec.decode(payload)
+
+
+def expect(reply: Msg, cls: type, peer: str) -> Any:
+    """``reply`` if it is a ``cls``; else TransportError naming the peer, what it answered and what was expected."""
+    if not isinstance(reply, cls):
+        raise TransportError(f"{peer} answered {type(reply).__name__}, expected {cls.__name__}")
+    return reply

@@ -117,7 +117,7 @@ class Producer(ServedVersions):
             lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s) \
             if cfg.rank == 0 else None
         self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
-                                      max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
+                                    max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
         self.versions: dict[int, VersionState] = {}
@@ -179,7 +179,7 @@ class Producer(ServedVersions):
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
         self.client = ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
-                                      max_frame_bytes=cfg.max_frame_bytes)
+                                    max_frame_bytes=cfg.max_frame_bytes)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
                             meta_digest=metadata_digest(self.metas), node=cfg.node)
         self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
