@@ -15,25 +15,25 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
+    from .puller import PullRound
 
 __all__ = ["Applier"]
 
 
-class Applier:
-    def __init__(self, consumer: Any, rnd: Any):
+class Applier(threading.Thread):
+    """The apply thread of one consumer sync (schedule rule 10)."""
+
+    def __init__(self, consumer: Consumer, rnd: PullRound):
+        super().__init__(name=f"shardsync-apply-{consumer.id}", daemon=True)
         self.c, self.rnd = consumer, rnd
         self.seconds = 0.0
         """Time spent applying (``stats["apply_s"]``)."""
         self.applied_any = False
         """Some group's apply began: after a failure the engine holds a mix of versions (``Consumer.torn``)."""
-        self.thread = threading.Thread(target=self.run, name=f"shardsync-apply-{consumer.id}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
 
     def run(self) -> None:
         c, rnd = self.c, self.rnd
@@ -57,5 +57,5 @@ class Applier:
     def finish(self, *, timeout_s: float) -> bool:
         """No more groups: wait up to ``timeout_s`` for the queued ones; True once the thread has ended."""
         self.rnd.complete.put(None)
-        self.thread.join(timeout=timeout_s)
-        return not self.thread.is_alive()
+        self.join(timeout=timeout_s)
+        return not self.is_alive()

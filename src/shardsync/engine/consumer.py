@@ -159,7 +159,7 @@ class Consumer:
                 pass
 
     def sync(self, version: int) -> dict[str, Any]:
-        if self._applier is not None and self._applier.alive():
+        if self._applier is not None and self._applier.is_alive():
             raise SyncError(f"consumer {self.id}: the previous sync's apply thread is still running; this consumer "
                             "must be re-initialised before it syncs again")
         self._applier = None
@@ -195,7 +195,7 @@ class Consumer:
             for t in pullers:
                 t.start()
             for t in pullers:
-                t.join()  # every wait inside a puller is bounded by timeout_s / the lease
+                t.join()  # returns: every wait inside a puller is bounded by timeout_s / the lease
         finally:
             finished = applier.finish(timeout_s=self.timeout_s)
         rnd.raise_first()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -22,6 +22,9 @@ from .versions import VersionState
 from .wire import chunk_checksum
 from ..errors import MetadataMismatch, ProducerLost, TransportError
 from ..source import check_tensor
+
+if TYPE_CHECKING:
+    from .producer import Producer
 
 __all__ = ["ProducerSync", "next_batch", "no_more_batches"]
 
@@ -49,7 +52,7 @@ def no_more_batches(it: Iterator[Any], *, rank: int, n_batches: int) -> None:
 class ProducerSync:
     """Serve ``version`` from ``source`` (the producer's own, or a snapshot of it) to the members of ``st``."""
 
-    def __init__(self, producer: Any, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0):
+    def __init__(self, producer: Producer, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0):
         self.pr, self.version, self.st, self.source, self.snapshot_bytes = producer, version, st, source, snapshot_bytes
         self.free = list(range(producer.n_slots))
         """Ring slots not holding a packed, unreleased group."""

@@ -17,12 +17,15 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import messages as m
 from .recvslots import RecvSlots
 from .wire import chunk_checksum
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
 
 __all__ = ["PullRound", "Puller", "SerialPuller", "producer_lost"]
 
@@ -38,7 +41,7 @@ def producer_lost(consumer_id: str, p: int, version: int, group: str, e: Excepti
 class PullRound:
     """One sync of one consumer: what its pullers and its applier share."""
 
-    def __init__(self, consumer: Any, version: int, session: str):
+    def __init__(self, consumer: Consumer, version: int, session: str):
         self.version, self.session = version, session
         self.order = [g.name for g in consumer.plan.groups]
         """Every group of the plan, in transfer order."""
@@ -86,20 +89,15 @@ class PullRound:
             raise next((e for e in self.errors if isinstance(e, (ProducerLost, ChecksumError))), self.errors[0])
 
 
-class Puller:
+class Puller(threading.Thread):
     """Producer ``p``'s groups for one sync, in its packing order, pipelined (schedule rule 8): ``Ready`` of the
-    next group is asked for while this one is read, and releases go out in the background."""
+    next group is asked for while this one is read, and releases go out in the background. Every wait inside is
+    bounded by ``timeout_s`` / the lease, so ``join()`` returns."""
 
-    def __init__(self, consumer: Any, rnd: PullRound, p: int):
+    def __init__(self, consumer: Consumer, rnd: PullRound, p: int):
+        super().__init__(name=f"shardsync-pull-{consumer.id}-p{p}", daemon=True)
         self.c, self.rnd, self.p = consumer, rnd, p
         self.todo = rnd.serving[p]
-        self.thread = threading.Thread(target=self.run, name=f"shardsync-pull-{consumer.id}-p{p}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()  # every wait inside is bounded by timeout_s / the lease
 
     def run(self) -> None:
         c, rnd, p, todo = self.c, self.rnd, self.p, self.todo
@@ -223,20 +221,15 @@ class Puller:
                                 f"{self.rnd.version}) has checksum {found:#x}, the producer computed {checksum:#x}")
 
 
-class SerialPuller:
+class SerialPuller(threading.Thread):
     """``parallel_producers=False``: one thread, group by group in transfer order, each group's producers one after
     the other (PP stages served serially; the reference the benchmark compares against)."""
 
-    def __init__(self, consumer: Any, rnd: PullRound):
+    def __init__(self, consumer: Consumer, rnd: PullRound):
+        super().__init__(name=f"shardsync-pull-{consumer.id}", daemon=True)
         self.c, self.rnd = consumer, rnd
         self.pullers = {p: Puller(consumer, rnd, p) for p in rnd.serving}
-        self.thread = threading.Thread(target=self.run, name=f"shardsync-pull-{consumer.id}", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
+        """Producer -> its pull protocol (never started as threads here)."""
 
     def run(self) -> None:
         try:
