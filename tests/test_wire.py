@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardsync.engine import control as m
+from shardsync.engine import messages as m
 from shardsync.engine.consumer import Consumer
+from shardsync.engine.control import ControlClient
 from shardsync.engine.producer import Producer, ProducerConfig
 from shardsync.engine.wire import handshake_client
 from shardsync.errors import AuthError, ChecksumError, PlanError, ShardsyncError, SyncError, TransportError
@@ -131,9 +132,9 @@ def test_wrong_and_oversized_tokens_are_refused_before_any_frame(group) -> None:
     p, _ = group
     before = p.server.refused["token"]
     with pytest.raises(AuthError, match="refused"):
-        m.ControlClient(p.address, TOKEN + "x", peer="coordinator")
+        ControlClient(p.address, TOKEN + "x", peer="coordinator")
     with pytest.raises(AuthError, match="at most 256"):
-        m.ControlClient(p.address, "x" * 300, peer="coordinator")
+        ControlClient(p.address, "x" * 300, peer="coordinator")
     with socket.create_connection(tuple(p.address), timeout=5) as s:  # a raw peer announcing a 60 KB token
         s.sendall(struct.pack("!H", 60000))
         assert s.recv(1) == b"E"
@@ -165,7 +166,7 @@ def test_oversized_frame_is_refused_before_allocation(group) -> None:
 def test_forged_plan_is_refused_naming_the_consumer(group, forge: str) -> None:
     p, _ = group
     plans_before = set(p.coordinator.plans)
-    c = m.ControlClient(p.address, TOKEN, peer="coordinator")
+    c = ControlClient(p.address, TOKEN, peer="coordinator")
     w = c.call(m.Hello(consumer=f"evil-{forge}"), timeout_s=10)
     plan = forged_plan(w.metadata, f"evil-{forge}", forge)
     with pytest.raises(PlanError, match=f"consumer 'evil-{forge}'"):
@@ -177,7 +178,7 @@ def test_forged_plan_is_refused_naming_the_consumer(group, forge: str) -> None:
 
 def test_release_for_another_consumer_is_refused(group) -> None:
     p, (a, b) = group
-    c = m.ControlClient(p.address, TOKEN, peer="producer 0")
+    c = ControlClient(p.address, TOKEN, peer="producer 0")
     with pytest.raises(AuthError, match="does not belong to consumer 'r0/tp0'"):
         c.call(m.Released(consumer="r0/tp0", session=b.c.session, version=1, group="pre"), timeout_s=10)
     with pytest.raises(AuthError, match="does not belong to consumer 'r0/tp0'"):

@@ -16,7 +16,7 @@ order (``plan.groups.weight_group`` partition: ``pre``, one per decoder layer, `
 groups holding at least one name this rank holds; ``iter_groups()`` yields exactly those, one
 ``(names, tensors)`` batch per group, a ``None`` tensor for a name of the group this rank does not hold.
 The producer iterates every batch on every rank and keeps only what is routed to it
-(``engine/producer.py``, rule 2).
+(``engine/schedule.py``, rule 2).
 """
 
 from __future__ import annotations

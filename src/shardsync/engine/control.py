@@ -1,4 +1,6 @@
-"""Control plane: small request/response messages over TCP, msgpack-encoded (never pickle).
+"""Control plane: the token-checked request/response service and its client, over TCP.
+
+The messages (msgspec structs, msgpack-encoded, never pickle) are ``messages.py``; this module moves them.
 
 A connection authenticates once with the shared token before any frame is read (``wire.py``);
 frames are size-limited before allocation; consumers additionally carry the per-consumer session
@@ -10,7 +12,7 @@ request; a client whose connection broke reconnects on its next call::
 
     server = ControlServer("127.0.0.1", 0, token, handler)     # handler(msg) -> reply message
     client = ControlClient(server.address, token, peer="producer 0")
-    reply = client.call(Released(consumer="r0/tp1", session=s, version=3, group="model.layers.7"), timeout_s=30)
+    reply = client.call(m.Released(consumer="r0/tp1", session=s, version=3, group="model.layers.7"), timeout_s=30)
 """
 
 from __future__ import annotations
@@ -19,218 +21,23 @@ import logging
 import socket
 import threading
 from collections import defaultdict
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import msgspec
 
 from ..errors import AuthError, ShardsyncError, TransportError
 from ..transport.tcp import advertised
+from .messages import Fail, Msg, decode, encode
 from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, parse_address, recv_frame,
                    send_frame)
 
-__all__ = ["ControlServer", "ControlClient", "Msg"]
+__all__ = ["ControlServer", "ControlClient"]
 log = logging.getLogger("shardsync.control")
-
-
-class _M(msgspec.Struct, tag=True, kw_only=True):
-    pass
-
-
-class Ack(_M):
-    pass
-
-
-class Fail(_M):
-    error: str
-    kind: str = "ShardsyncError"
-
-
-# ---------------------------------------------------------------- producers <-> coordinator
-class Join(_M):
-    rank: int
-    address: list[Any]
-    held: list[str] | None
-    meta_digest: str
-    node: str = ""
-    """Where this producer runs (a Ray node id, a hostname): consumers on the same node are routed to it first."""
-
-
-class Joined(_M):
-    incarnation: int
-    """Bumped each time this rank (re)joins: a restarted producer replaces its dead predecessor."""
-
-
-class GetAssignments(_M):
-    rank: int
-
-
-class Assignments(_M):
-    held: list[list[str] | None]
-    """Names each producer holds (None = all), by producer rank."""
-    plans: list[bytes]
-    routes: dict[str, dict[str, list[int]]]
-    epoch: int
-    """Bumped whenever a plan digest is routed after init (a rejoiner with a new plan)."""
-
-
-class ProducerReady(_M):  # after (re-)registering its ring, at init (version -1) and at every sync
-    rank: int
-    incarnation: int
-    version: int
-    desc: dict[str, Any]
-
-
-class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
-    rank: int
-    version: int
-    reason: str
-
-
-# ---------------------------------------------------------------- consumers <-> coordinator
-class Hello(_M):
-    consumer: str
-
-
-class Welcome(_M):
-    session: str
-    """This consumer's credential: every later message acting for it must carry it."""
-    metadata: list[dict[str, Any]]
-    held: list[list[str] | None]
-    max_chunk_bytes: int
-    lease_s: float
-
-
-class InitFailed(_M):
-    consumer: str
-    session: str
-    reason: str
-
-
-class RegisterPlan(_M):
-    consumer: str
-    session: str
-    plan: bytes
-    node: str = ""
-    """Where this consumer runs: with a node, its plan is routed for that node (same-node producers first)."""
-
-
-class Routes(_M):
-    routes: dict[str, list[int]]
-
-
-class BeginSync(_M):  # from a producer (rank >= 0) or a consumer (consumer != "")
-    version: int
-    rank: int = -1
-    incarnation: int = 0
-    consumer: str = ""
-    session: str = ""
-
-
-class SyncView(_M):
-    version: int
-    members: dict[str, list[str]]
-    """consumer -> [plan digest, session]: the consumers this version is served to (fixed at its start)."""
-    epoch: int
-    producers: list[dict[str, Any]]
-    """[{"rank", "incarnation", "address", "desc"}] ready for this version (for a producer: every rank's
-    current incarnation)."""
-
-
-class Completed(_M):  # consumer -> coordinator: it holds this version, every group applied
-    consumer: str
-    session: str
-    version: int
-
-
-class AwaitVersion(_M):  # producer -> coordinator: the version's outcome (answers within a poll slice)
-    rank: int
-    incarnation: int
-    version: int
-
-
-class Outcome(_M):
-    done: bool
-    """Every member completed or was dropped, or the version failed."""
-    completed: list[str]
-    dropped: dict[str, str]
-    failed: str
-
-
-class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (rank, incarnation)
-    consumer: str = ""
-    session: str = ""
-    rank: int = -1
-    incarnation: int = 0
-
-
-class Lease(_M):
-    dead: list[list[str]]
-    """[[consumer, session, reason]] of members dropped since init (lease expired, abandoned, replaced)."""
-    dead_producers: dict[int, list[Any]]
-    """rank -> [incarnation that died, reason] (a restarted rank's new incarnation is not dead)."""
-    left: list[list[Any]]
-    """[[version, consumer, session, reason]]: consumers that abandoned one version."""
-    failed: dict[int, str]
-    """version -> reason, for versions a producer reported failed."""
-
-
-# ---------------------------------------------------------------- consumers <-> producers
-class WaitReady(_M):
-    consumer: str
-    session: str
-    version: int
-    group: str
-    """A given group ("" = the next one this producer has packed for the consumer and it has not released)."""
-    after: str = ""
-    """With ``group=""``: the next such group packed after this one (a consumer asks for group g+1 while it still
-    reads g). Idempotent: asked again with the same ``after``, the answer is the same group."""
-
-
-class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
-    pass
-
-
-class Ready(_M):
-    version: int
-    group: str
-    chunks: list[list[int]]
-    """[[chunk index, offset in the producer's registered buffer, nbytes, checksum or -1], ...]."""
-
-
-class Released(_M):
-    consumer: str
-    session: str
-    version: int
-    group: str
-
-
-class Abandon(_M):  # a consumer leaves one version (its engine rejected or failed it): not waited for
-    consumer: str
-    session: str
-    version: int
-    reason: str
-    lost_producer: int = -1
-    """The producer whose death made it fail: the version then fails for everyone, naming it."""
-
-
-class Goodbye(_M):  # a consumer leaves for good
-    consumer: str
-    session: str
-
-
-class Evict(_M):  # an orchestrator saw these consumers' engine die (Ray actor death): drop them now, not at lease end
-    consumers: list[str]
-    reason: str
-
-
-Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome, InitFailed,
-            RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease, WaitReady, Pending, Ready, Released, Abandon, Goodbye, Evict]
-_enc = msgspec.msgpack.Encoder()
-_dec = msgspec.msgpack.Decoder(Msg)
 
 
 class ControlServer:
     """Threaded server: one thread per connection, ``handler(msg)`` may block (bounded by its own timeouts).
+    It serves each producer (and the coordinator on rank 0) and verl's rendezvous (``integrations/verl``).
 
     ``idle_timeout_s`` closes a connection that sends nothing for that long (clients reconnect);
     an unauthenticated connection gets ``auth_timeout_s``. ``inflight()`` counts requests being handled
@@ -282,7 +89,7 @@ class ControlServer:
             conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
                 try:
-                    msg = _dec.decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes))
+                    msg = decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes))
                 except FrameTooLarge as e:
                     self.refused["frame"] += 1
                     log.warning("%s: %s; connection closed", self.name, e)
@@ -296,7 +103,7 @@ class ControlServer:
                     self._inflight[kind] += 1
                 try:
                     reply = self._handle(msg)
-                    send_frame(conn, _enc.encode(reply))
+                    send_frame(conn, encode(reply))
                 finally:
                     with self._lock:
                         self._inflight[kind] -= 1
@@ -377,8 +184,8 @@ class ControlClient:
             sock = self._sock or self._connect(timeout_s)  # a reconnect is bounded by the call's own timeout
             try:
                 sock.settimeout(timeout_s)
-                send_frame(sock, _enc.encode(msg))
-                reply = _dec.decode(recv_frame(sock, max_frame_bytes=self.max_frame_bytes))
+                send_frame(sock, encode(msg))
+                reply = decode(recv_frame(sock, max_frame_bytes=self.max_frame_bytes))
             except socket.timeout:
                 self._break()
                 raise TransportError(f"{self.peer} did not answer {type(msg).__name__} within {timeout_s} s") from None

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
-from . import control as m
+from . import messages as m
 from .membership import Membership
 from ..errors import MetadataMismatch, NotMember, PlanError, ProducerLost, SyncError, TransportError
 from ..plan.checks import check_plan

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from . import control as m
+from . import messages as m
+from .control import ControlClient
 from ..errors import ConsumerDropped, ShardsyncError, TransportError
 
 __all__ = ["Heartbeat"]
@@ -30,7 +31,7 @@ class Heartbeat:
                  on_change: Callable[[], None] | None = None, on_dropped: Callable[[str], None] | None = None):
         self.renew, self.lease_s, self.who = renew, lease_s, who
         self.on_change, self.on_dropped = on_change, on_dropped
-        self._client = m.ControlClient(coordinator, token, peer="coordinator (producer 0)", connect_timeout_s=lease_s)
+        self._client = ControlClient(coordinator, token, peer="coordinator (producer 0)", connect_timeout_s=lease_s)
         self._view: dict[str, Any] = {"dead": [], "dead_producers": {}, "left": [], "failed": {}}
         self._last_ok = time.monotonic()
         self._error = ""

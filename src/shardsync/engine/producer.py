@@ -1,28 +1,18 @@
 """Trainer side: gather one weight group at a time, replay + pack, serve pulls, free on release.
 
-The sync schedule. What is gathered when is ``engine/schedule.py``'s lockstep (every batch of the
-source iterated on every rank holding part of it, only routed tensors kept, a plan group packed as soon
-as its sources are in); the serving rules live here:
+What is gathered when, how many groups are resident and when a ring slot is freed are ``engine/schedule.py``'s
+rules 1-7; one sync's loop is ``producer_sync.py``. This module holds the configuration, the producer's control
+handler (``WaitReady``, ``Released``, ``Abandon``; rank 0 also hosts the coordinator), init and the sync's
+start and failure:
 
 1. A sync serves the consumers that are members of its version (fixed by the coordinator when the
-   version begins: registered, lease live). Groups are packed in the schedule's order, only those this
-   rank routes to someone; consumers ask for "the next group you have for me" and so follow that order.
-2. A batch that completes a routed group is gathered only when one of ``lookahead + 1`` ring slots is
-   free; gathered tensors are dropped as soon as no later group reads them, so at most ``lookahead + 1``
-   groups are packed-and-unreleased (``stats["max_resident"]``) and at most the schedule's
-   ``peak_bytes`` of full tensors are resident (``stats["peak_gathered_bytes"]``, checked against
-   ``gather_budget_bytes`` at init).
-3. Gathering and packing group g+1 overlaps the consumers' pulls of group g (they pull as soon as
-   ``Ready`` says so; this thread moves on to g+1). Producers of different PP stages serve at once.
-4. Each distinct plan's chunks are packed once; every consumer sharing that plan (the same rank of
-   different replicas) pulls the same bytes.
-5. A slot is freed when every member routed to it has sent ``Released`` or has been dropped: it
-   abandoned the version, said goodbye, or its lease expired (``lease_s``: the detection bound). Nothing
-   waits for a dead consumer and the sync's result names who was dropped and why.
-6. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
+   version begins: registered, lease live); a member that abandons the version, says goodbye or lets its
+   lease expire (``lease_s``: the detection bound) is dropped, and the sync's result names who and why.
+2. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
    :class:`ProducerLost` / :class:`SyncError`; consumers then keep their previous complete version.
-   Every wait is bounded by ``timeout_s`` and names what it waited for.
-7. ``sync`` returns the version's outcome, not only this rank's part: once this rank's slots are all
+   Every wait is bounded by ``timeout_s`` and names what it waited for. A failure is made known to the
+   coordinator (``SyncFailed``) and to every consumer waiting on the version before it is raised.
+3. ``sync`` returns the version's outcome, not only this rank's part: once this rank's slots are all
    released it waits until every member has completed the version (all groups, from every producer) or
    been dropped; a version that failed anywhere raises here on every rank.
 
@@ -41,18 +31,19 @@ from typing import Any
 
 import torch
 
-from . import control as m
+from . import messages as m
+from .control import ControlClient, ControlServer
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
-from .publish import Publisher
+from .producer_sync import ProducerSync
 from .snapshot import PendingSync, Snapshot
 from .units import build_units
 from .versions import ServedVersions, VersionState
-from .wire import DEFAULT_MAX_FRAME, chunk_checksum, parse_address
-from ..errors import MetadataMismatch, ProducerLost, SyncError, TransportError
+from .wire import DEFAULT_MAX_FRAME, parse_address
+from ..errors import SyncError
 from ..plan.pack import DEFAULT_CHUNK_BYTES
-from ..source import WeightSource, check_tensor
+from ..source import WeightSource
 from ..sources.adapt import adapt
 from ..transport import Transport, make_transport
 from ..types import dtype_of, metadata_digest
@@ -115,8 +106,8 @@ class Producer(ServedVersions):
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
             lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s) \
             if cfg.rank == 0 else None
-        self.server = m.ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
-                                      max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
+        self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
+                                    max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
         self.versions: dict[int, VersionState] = {}
@@ -177,8 +168,8 @@ class Producer(ServedVersions):
         if coord is None:
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
-        self.client = m.ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
-                                      max_frame_bytes=cfg.max_frame_bytes)
+        self.client = ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
+                                    max_frame_bytes=cfg.max_frame_bytes)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
                             meta_digest=metadata_digest(self.metas), node=cfg.node)
         self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
@@ -248,14 +239,14 @@ class Producer(ServedVersions):
             st = self._begin(version)
             if block:
                 with hot_path(self.cfg.switch_interval_s):
-                    return self._sync(version, st, self.source)
+                    return ProducerSync(self, version, st, self.source).run()
             snap = Snapshot(self, version)
             pending = PendingSync(version)
 
             def serve() -> None:
                 try:
                     with hot_path(self.cfg.switch_interval_s):
-                        pending._set(self._sync(version, st, snap, snapshot_bytes=snap.nbytes))
+                        pending._set(ProducerSync(self, version, st, snap, snapshot_bytes=snap.nbytes).run())
                 except BaseException as e:
                     self._fail(version, st, e)
                     pending._set(error=e)
@@ -307,166 +298,6 @@ class Producer(ServedVersions):
             self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why), timeout_s=5)
         except Exception:
             pass  # the coordinator may be what failed
-
-    def _sync(self, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        by_name = {x.name: x for x in self.metas}
-        free = list(range(self.n_slots))
-        slot_of: dict[str, int] = {}
-        max_resident = sent = 0
-        users: dict[str, set[str]] = defaultdict(set)
-        for c, (d, _) in st.members.items():
-            users[d].add(c)
-        assert self.ring is not None
-        ls, it = self.schedule, iter(source.iter_groups())
-        kept: dict[str, torch.Tensor] = {}
-        dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
-        gathered = peak = 0
-        pub = Publisher(self.lane, timeout_s=self.cfg.timeout_s, who=f"producer {self.cfg.rank}")
-
-        def reclaim() -> bool:  # rule 5: a released group frees its slot
-            pub.check()
-            for gg, s in list(slot_of.items()):
-                if not st.pending.get(gg):
-                    free.append(s)
-                    del slot_of[gg]
-            return bool(free)
-
-        def await_slot(g: str) -> None:
-            self._wait(reclaim, lambda: f"a free ring slot for group {g!r} (held by {sorted(slot_of)}: consumers "
-                                        f"{sorted({c for gg in slot_of for c in st.pending.get(gg, ())})} have not "
-                                        "released them)", version, st)
-
-        clock = {"slot_wait_s": 0.0, "gather_s": 0.0, "pack_s": 0.0}  # host time of this thread, by stage
-        try:
-            for b, expect in enumerate(ls.batches):
-                t1 = time.perf_counter()
-                if ls.pack_after[b]:
-                    await_slot(ls.pack_after[b][0])  # rule 2: no gather while the ring is full
-                t2 = time.perf_counter()
-                names, tensors = self._next_batch(it, expect, b)
-                now = sum(t.nbytes for t in tensors if t is not None)
-                gathered += now
-                for n, t in zip(names, tensors):
-                    if n in ls.keep[b]:
-                        if t is None:
-                            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded no tensor for "
-                                                   f"{n!r}, which this rank holds and serves")
-                        shape, dt = self._expect[n]
-                        if t.shape != shape or t.dtype != dt:
-                            check_tensor(by_name[n], t, rank=self.cfg.rank)
-                        kept[n] = t.contiguous()
-                peak = max(peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried over
-                del tensors  # rule 2 of the schedule: the batch is dropped once looked at
-                t3 = time.perf_counter()
-                clock["slot_wait_s"] += t2 - t1
-                clock["gather_s"] += t3 - t2
-                for g in ls.pack_after[b]:
-                    await_slot(g)
-                    t4 = time.perf_counter()
-                    max_resident = max(max_resident, len(slot_of) + 1)
-                    slot = free.pop(0)
-                    sent += self._pack(g, slot, kept, users, st, pub, dropped)
-                    dropped = []
-                    slot_of[g] = slot
-                    clock["slot_wait_s"] += t4 - t3
-                    clock["pack_s"] += time.perf_counter() - t4
-                    t3 = time.perf_counter()
-                for n in ls.drop_after[b]:
-                    t = kept.pop(n, None)
-                    if t is not None and self.lane.cuda:
-                        dropped.append(t)
-            self._no_more_batches(it)
-            pub.submit(lambda: None, what="the last pack", hold=dropped)
-            pub.flush()
-        finally:
-            pub.close()  # also when the sync fails: no publisher thread outlives it
-        self._wait(lambda: all(not st.pending.get(g) for g in self.order),
-                   lambda: f"every consumer to release version {version} (missing: "
-                           f"{sorted({c for g in self.order for c in st.pending.get(g, ())})})", version, st)
-        self._drain()
-        with self.cv:
-            st.done = True
-            st.ready.clear()
-        outcome = self._outcome(version, st)
-        self._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
-        self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=sent,
-                          max_resident=max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
-                          gathered_bytes=gathered, peak_gathered_bytes=peak, snapshot_bytes=snapshot_bytes,
-                          source_stats=dict(getattr(self.source, "stats", None) or {}),
-                          completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
-                          dropped_at=dict(st.dropped_at), **clock)
-        return dict(self.stats)
-
-    def _next_batch(self, it: Any, expect: list[str], b: int) -> tuple[list[str], list[Any]]:
-        try:
-            names, tensors = next(it)
-        except StopIteration:
-            raise MetadataMismatch(f"producer {self.cfg.rank}: the source stopped after {b} gather groups; its "
-                                   f"groups() lists {len(self.schedule.batches)}") from None
-        if list(names) != expect:
-            raise MetadataMismatch(f"producer {self.cfg.rank}: gather group {b} of the source is {list(names)[:3]}..., "
-                                   f"groups() said {expect[:3]}... (iteration must follow groups())")
-        return list(names), list(tensors)
-
-    def _no_more_batches(self, it: Any) -> None:
-        if next(it, None) is not None:
-            raise MetadataMismatch(f"producer {self.cfg.rank}: the source yielded more gather groups than its "
-                                   f"groups() lists ({len(self.schedule.batches)})")
-
-    def _pack(self, g: str, slot: int, full: dict[str, torch.Tensor], users: dict[str, set[str]],
-              st: VersionState, pub: Publisher, hold: list) -> int:
-        """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack
-        has run; returns the bytes it will send. The slot counts as held from now on."""
-        assert self.ring is not None
-        base, sent = slot * self.slot_bytes, 0
-        with self.cv:
-            live = {d: cs - st.dropped.keys() for d, cs in users.items()}
-        units = self.units[g]
-        with self.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
-            for u in units:
-                c = u.chunk
-                u.packer.pack(full, self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
-        for u in units:
-            sent += u.chunk.nbytes * len(live.get(u.digest, ()))
-        with self.cv:
-            st.pending[g] = set().union(*(users[u.digest] for u in units)) - st.dropped.keys()
-
-        def announce() -> None:
-            ready: dict[str, list[list[int]]] = defaultdict(list)
-            for u in units:
-                c = u.chunk
-                region = self.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                        if self.cfg.verify_checksums else -1])
-            with self.cv:
-                st.ready[g] = dict(ready)
-                st.packed.append(g)
-                self.cv.notify_all()
-
-        pub.submit(announce, what=f"packing group {g!r}", hold=hold)
-        return sent
-
-    def _outcome(self, version: int, st: VersionState) -> m.Outcome:
-        """Rule 7: a sync returns the VERSION's outcome, not only this rank's part: every member completed (all
-        groups, from every producer) or was dropped — or the version failed, which is raised here too."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while True:
-            if self.coordinator is not None:
-                o = self.coordinator.outcome(version, min(1.0, self.cfg.lease_s / 4))
-            else:
-                o = self.client.call(m.AwaitVersion(rank=self.cfg.rank, incarnation=self.incarnation, version=version),
-                                     timeout_s=self.cfg.lease_s + 1)
-            if o.failed or st.failed:
-                raise ProducerLost(f"producer {self.cfg.rank}: version {version} failed: {o.failed or st.failed}")
-            if o.done:
-                return o
-            if time.monotonic() > deadline:
-                missing = sorted(set(st.members) - set(o.completed) - set(o.dropped))
-                raise TransportError(f"producer {self.cfg.rank}: timed out after {self.cfg.timeout_s} s waiting for "
-                                     f"consumers {missing} to complete version {version} (this rank's part is done)")
-            with self.cv:
-                self._prune(version, st)
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer

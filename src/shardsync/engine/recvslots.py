@@ -1,16 +1,7 @@
 """The consumer's receive slots: a fixed pool of group-sized buffers shared by its per-producer pullers.
 
-Rules (why pulling from every producer at once cannot deadlock):
-
-1. Every producer packs in transfer order and every puller asks for its producer's groups in that order,
-   so each puller's groups are an increasing subsequence of one order (``engine/schedule.py`` rule 3).
-2. A group gets a slot the first time any of its producers' bytes arrive; the others write into the same
-   slot. The slot is freed once the group has been applied.
-3. A group may take the LAST free slot only if it is the head: the first group in transfer order that has
-   no slot yet. So the smallest incomplete group can always get a slot, its pullers are never blocked
-   behind a later group, and every sync finishes. Any other group needs two free slots.
-4. The pool is allocated once (``n`` slots of the largest group's size): the consumer's receive memory
-   never exceeds ``n * slot_bytes`` (``max_in_use`` records the most slots used at once).
+Its rules (a slot per group on first bytes, the head rule, freed once applied) are ``engine/schedule.py``'s
+rule 9; ``max_in_use`` records the most slots used at once::
 
     slots = RecvSlots(4, ["pre", "model.layers.0", "post"])
     i = slots.acquire("model.layers.0", timeout_s=10, what="group 'model.layers.0'")
@@ -46,7 +37,7 @@ class RecvSlots:
         return self._head < len(self.order) and self.order[self._head] == g
 
     def acquire(self, g: str, *, timeout_s: float, what: str, abort: "threading.Event | None" = None) -> int:
-        """The slot of group ``g`` (allocated on first use, rule 2-3); waits up to ``timeout_s``."""
+        """The slot of group ``g`` (allocated on first use, under the head rule); waits up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         with self.cv:
             while True:

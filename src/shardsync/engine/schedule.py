@@ -1,7 +1,11 @@
-"""The producer's lockstep schedule, computed once per assignment from the source's gather groups and the
-chunks routed to this rank. Pure: no processes, no sockets.
+"""The sync schedule: what is gathered when, how many groups are resident, when a slot is freed, when a
+consumer pulls and applies. These rules are stated here once; ``producer.py``, ``producer_sync.py``,
+``consumer.py``, ``puller.py``, ``applier.py`` and ``recvslots.py`` follow them.
 
-Rules (the producer follows them every sync; ``engine/producer.py`` states the serving half):
+This module computes the producer's half, the lockstep schedule (:func:`lockstep`), once per assignment from
+the source's gather groups and the chunks routed to this rank. Pure: no processes, no sockets.
+
+Producer (one trainer rank), per sync:
 
 1. Lockstep. Every rank iterates EVERY batch of its source's ``iter_groups()`` (the groups holding a name it
    holds), in the source's order, whether or not anything in it is routed here: materialising a group is a
@@ -12,14 +16,45 @@ Rules (the producer follows them every sync; ``engine/producer.py`` states the s
 3. One order for everyone. Plan groups are packed in transfer order (``plan.groups.group_order``: pre,
    layers, post), the order every consumer receives in, so no consumer ever waits for a producer that is
    busy with a group it wants later (a receive slot is never held across an order inversion). A group is
-   packed right after the batch that completes it and every group before it (``pack_after[b]``), into a
-   free ring slot (waited for before that batch is gathered); the tensors it read are dropped once no later
-   group needs them (``drop_after[b]``; a tied embedding lives until ``post``). When the source's order is
-   the transfer order (HF checkpoints) nothing but such shared tensors is carried across batches.
-4. Budget. ``peak_bytes`` is the most full-tensor bytes resident at once on this rank: one batch as
-   materialised by the source plus what is carried across batches. A configured gather budget below it is
-   refused at init (the rank could not follow rule 1 within it); the producer measures the real peak each
-   sync (``stats["peak_gathered_bytes"]``).
+   packed right after the batch that completes it and every group before it (``pack_after[b]``); the
+   tensors it read are dropped once no later group needs them (``drop_after[b]``; a tied embedding lives
+   until ``post``). When the source's order is the transfer order (HF checkpoints) nothing but such shared
+   tensors is carried across batches. Only groups this rank routes to someone are packed.
+4. Resident groups. The ring has ``lookahead + 1`` slots of the largest group's size, allocated once. A
+   batch that completes a routed group is gathered only when a ring slot is free, so at most
+   ``lookahead + 1`` groups are packed-and-unreleased (``stats["max_resident"]``). Each distinct plan's
+   chunks are packed once; every consumer sharing that plan (the same rank of different replicas) pulls the
+   same bytes.
+5. Budget. ``peak_bytes`` is the most full-tensor bytes resident at once on this rank: one batch as
+   materialised by the source plus what is carried across batches. A configured gather budget
+   (``gather_budget_bytes``) below it is refused at init (the rank could not follow rule 1 within it); the
+   producer measures the real peak each sync (``stats["peak_gathered_bytes"]``).
+6. Overlap. Gathering and packing group g+1 overlaps the consumers' pulls of group g: a group is announced
+   (``Ready``) once its pack has run (on a GPU a publisher thread waits for the pack's event,
+   ``publish.py``) and the gather thread moves on to g+1. Producers of different PP stages serve at once.
+7. A ring slot is freed when every member routed to its group has sent ``Released`` or has been dropped (it
+   abandoned the version, said goodbye, or its lease expired): nothing waits for a dead consumer.
+
+Consumer (one inference engine), per sync:
+
+8. Pulls. One puller per producer, all at once (every PP stage, every EP rank concurrently). Each asks its
+   producer for "the next group you have for me" (rule 3: they arrive in transfer order) and, while it
+   reads that group, already for the one after it (``WaitReady.after``); it reads the group's chunks into
+   the group's receive slot and sends ``Released`` right after the bytes have landed (on a connection of
+   its own, in the background: a release never queues behind a ``WaitReady`` the producer holds), so the
+   producer's ring slot is freed before the group is applied. (``parallel_producers=False``: one puller,
+   group by group, each group's producers one after the other — the reference the benchmark compares.)
+9. Receive slots. ``recv_slots`` buffers of the largest group's size, allocated once: the consumer's
+   receive memory (``recv_budget_bytes`` lowers the count, never below 2). A group gets a slot the first
+   time any of its producers' bytes arrive; its other producers write into the same slot. A group may
+   take the LAST free slot only if it is the head (the first group in transfer order that has no slot
+   yet); any other group needs two free slots. Each puller's groups are an increasing subsequence of one
+   order (rule 3), so the smallest incomplete group can always get a slot, its pullers are never blocked
+   behind a later group, and every sync finishes: pulling from every producer at once cannot deadlock.
+10. Apply. A group whose every producer's part has landed goes to the one apply thread (unpack → scatter
+    into the engine's buffers → the engine's per-layer processing), which overlaps the pulls; groups may
+    complete out of transfer order (PP stages in parallel). Its receive slot is freed once it has been
+    applied (on a GPU: once the apply's side-stream work has run, an event, not a device synchronize).
 
     ls = lockstep(source.groups(), needs={"model.layers.0": {...names}}, held=None, nbytes=nbytes)
     ls.order     # plan groups in packing order
@@ -49,7 +84,7 @@ class Lockstep:
     order: list[str]
     """Every plan group routed here, in packing order."""
     peak_bytes: int
-    """Most full-tensor bytes resident at once (rule 4)."""
+    """Most full-tensor bytes resident at once (rule 5)."""
     batch_bytes: list[int]
     """Bytes each batch materialises on this rank (names held here)."""
 

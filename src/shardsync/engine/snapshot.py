@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterator
 
+from .producer_sync import next_batch, no_more_batches
 from ..errors import SyncError, TransportError
 
 __all__ = ["Snapshot", "PendingSync"]
@@ -36,11 +37,11 @@ class Snapshot:
         self.batches: list[tuple[list[str], list[Any]]] = []
         self.nbytes = 0
         for b, expect in enumerate(ls.batches):
-            names, tensors = producer._next_batch(it, expect, b)
+            names, tensors = next_batch(it, expect, b, rank=producer.cfg.rank, n_batches=len(ls.batches))
             kept = [t.detach().clone() if n in ls.keep[b] and t is not None else None for n, t in zip(names, tensors)]
             self.nbytes += sum(t.numel() * t.element_size() for t in kept if t is not None)
             self.batches.append((names, kept))
-        producer._no_more_batches(it)
+        no_more_batches(it, rank=producer.cfg.rank, n_batches=len(ls.batches))
 
     @staticmethod
     def cost(schedule: Any, nbytes: dict[str, int]) -> int:

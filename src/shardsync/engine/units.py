@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from . import control as m
+from . import messages as m
 from .schedule import Lockstep, lockstep
 from ..errors import TransportError
 from ..plan.pack import Chunk, GroupPacker, _align

@@ -1,5 +1,6 @@
 """The producer's per-version serving state: who is a member of each version, which groups are packed and
-unreleased, who was dropped and why (rules 5-6 of ``engine/producer.py``), and the ``WaitReady`` answers.
+unreleased (a slot is freed by ``engine/schedule.py``'s rule 7), who was dropped and why (rules 1-2 of
+``engine/producer.py``), and the ``WaitReady`` answers.
 
 ``ServedVersions`` is a mixin of :class:`~shardsync.engine.producer.Producer`: it needs ``cfg`` (rank,
 lease_s, timeout_s), ``cv`` (the condition every state change notifies), ``versions`` (version ->
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import control as m
+from . import messages as m
 from ..errors import AuthError, ConsumerDropped, ProducerLost, SyncError, TransportError
 
 __all__ = ["VersionState", "ServedVersions"]

@@ -47,13 +47,14 @@ CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "r
 
 def wire_attack(kind: str, coordinator: list, token: str, metadata_cid: str = "attacker") -> str:
     """One hostile peer against the coordinator; returns the typed refusal it got (raises if it was not refused)."""
-    from ..engine import control as m
+    from ..engine import messages as m
+    from ..engine.control import ControlClient
     from ..engine.wire import handshake_client, recv_frame
     from ..errors import AuthError, PlanError, TransportError
 
     if kind == "wrong_token":
         try:
-            m.ControlClient(coordinator, token + "x", peer="coordinator")
+            ControlClient(coordinator, token + "x", peer="coordinator")
         except AuthError as e:
             return f"AuthError: {e}"
         raise AssertionError("a wrong token was accepted")
@@ -69,7 +70,7 @@ def wire_attack(kind: str, coordinator: list, token: str, metadata_cid: str = "a
     if kind == "forged_plan":
         refusals = []
         for forge in FORGES:
-            c = m.ControlClient(coordinator, token, peer="coordinator")
+            c = ControlClient(coordinator, token, peer="coordinator")
             try:
                 w = c.call(m.Hello(consumer=f"{metadata_cid}-{forge}"), timeout_s=30)
                 plan = forged_plan(w.metadata, f"{metadata_cid}-{forge}", forge)

@@ -21,7 +21,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from ...engine import control as m
+from ...engine import messages as m
+from ...engine.control import ControlClient
 from .registry import lookup
 
 __all__ = ["EngineWatch"]
@@ -32,7 +33,7 @@ class EngineWatch:
     def __init__(self, group: str, *, interval_s: float = 0.2, lookup_timeout_s: float = 120.0):
         info = lookup(group, timeout_s=lookup_timeout_s)
         self.group, self.interval_s = group, interval_s
-        self.client = m.ControlClient(info["coordinator"], info["token"], peer=f"coordinator of {group!r}")
+        self.client = ControlClient(info["coordinator"], info["token"], peer=f"coordinator of {group!r}")
         self.evicted: list[tuple[str, str]] = []
         """(consumer id, why) for every consumer reported dead."""
         self._lock = threading.Lock()

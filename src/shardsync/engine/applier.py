@@ -1,0 +1,61 @@
+"""The consumer's applier: one thread applying each group whose every part has landed, while pulls go on.
+
+It follows ``engine/schedule.py``'s rule 10. Groups come from the sync's :class:`~.puller.PullRound` (in the
+order they complete, which may differ from transfer order); each is applied on the consumer's lane
+(``apply(group, receive slot)``), fenced (an event with a deadline, never a device synchronize), and its
+receive slot freed. After a failure nothing more is applied; slots are still freed::
+
+    applier = Applier(consumer, rnd)
+    applier.start()
+    ...                              # pullers hand it groups through rnd.landed
+    finished = applier.finish(timeout_s=120)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .consumer import Consumer
+    from .puller import PullRound
+
+__all__ = ["Applier"]
+
+
+class Applier(threading.Thread):
+    """The apply thread of one consumer sync (schedule rule 10)."""
+
+    def __init__(self, consumer: Consumer, rnd: PullRound):
+        super().__init__(name=f"shardsync-apply-{consumer.id}", daemon=True)
+        self.c, self.rnd = consumer, rnd
+        self.seconds = 0.0
+        """Time spent applying (``stats["apply_s"]``)."""
+        self.applied_any = False
+        """Some group's apply began: after a failure the engine holds a mix of versions (``Consumer.torn``)."""
+
+    def run(self) -> None:
+        c, rnd = self.c, self.rnd
+        while True:
+            g = rnd.complete.get()
+            if g is None:
+                return
+            try:
+                if not rnd.errors:
+                    t0 = time.perf_counter()
+                    self.applied_any = True
+                    with c.lane:
+                        c.apply(g, c.slots[rnd.slots.slot[g]])
+                    c.lane.fence(timeout_s=c.timeout_s, what=f"consumer {c.id}: applying group {g!r}")
+                    self.seconds += time.perf_counter() - t0
+            except BaseException as e:  # surfaces in the calling thread
+                rnd.fail(e)
+            finally:
+                rnd.slots.release(g)
+
+    def finish(self, *, timeout_s: float) -> bool:
+        """No more groups: wait up to ``timeout_s`` for the queued ones; True once the thread has ended."""
+        self.rnd.complete.put(None)
+        self.join(timeout=timeout_s)
+        return not self.is_alive()

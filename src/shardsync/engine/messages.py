@@ -1,0 +1,258 @@
+"""The control plane's schema: every message peers exchange, as msgspec structs of one closed union.
+
+Payloads are msgpack-encoded (never pickle) and decoded only as one of these types (``control.py`` sends
+and serves them over the authenticated framing of ``wire.py``). Who sends what:
+
+- producers <-> coordinator: ``Join``/``Joined``, ``GetAssignments``/``Assignments``, ``ProducerReady``,
+  ``SyncFailed``, ``AwaitVersion``/``Outcome``;
+- consumers <-> coordinator: ``Hello``/``Welcome``, ``InitFailed``, ``RegisterPlan``/``Routes``,
+  ``BeginSync``/``SyncView``, ``Completed``, ``Goodbye``; an orchestrator: ``Evict``;
+- every peer's heartbeat: ``Renew``/``Lease``;
+- consumers <-> producers: ``WaitReady``/``Pending``/``Ready``, ``Released``, ``Abandon``;
+- a rendezvous (how a group finds its coordinator, ``integrations/verl``): ``Lookup``/``Published``;
+- any request may be answered ``Ack`` or ``Fail`` (a typed error, re-raised by the client).
+
+A message acting for a consumer carries the session credential the coordinator issued at ``Hello``::
+
+    payload = encode(Released(consumer="r0/tp1", session=s, version=3, group="model.layers.7"))
+    msg = decode(payload)        # one of Msg, or msgspec.DecodeError
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from ..errors import TransportError
+
+__all__ = ["Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
+           "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
+           "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
+           "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
+
+
+class _M(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+class Ack(_M):
+    pass
+
+
+class Fail(_M):
+    error: str
+    kind: str = "ShardsyncError"
+
+
+# ---------------------------------------------------------------- producers <-> coordinator
+class Join(_M):
+    rank: int
+    address: list[Any]
+    held: list[str] | None
+    meta_digest: str
+    node: str = ""
+    """Where this producer runs (a Ray node id, a hostname): consumers on the same node are routed to it first."""
+
+
+class Joined(_M):
+    incarnation: int
+    """Bumped each time this rank (re)joins: a restarted producer replaces its dead predecessor."""
+
+
+class GetAssignments(_M):
+    rank: int
+
+
+class Assignments(_M):
+    held: list[list[str] | None]
+    """Names each producer holds (None = all), by producer rank."""
+    plans: list[bytes]
+    routes: dict[str, dict[str, list[int]]]
+    epoch: int
+    """Bumped whenever a plan digest is routed after init (a rejoiner with a new plan)."""
+
+
+class ProducerReady(_M):  # after (re-)registering its ring, at init (version -1) and at every sync
+    rank: int
+    incarnation: int
+    version: int
+    desc: dict[str, Any]
+
+
+class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
+    rank: int
+    version: int
+    reason: str
+
+
+# ---------------------------------------------------------------- consumers <-> coordinator
+class Hello(_M):
+    consumer: str
+
+
+class Welcome(_M):
+    session: str
+    """This consumer's credential: every later message acting for it must carry it."""
+    metadata: list[dict[str, Any]]
+    held: list[list[str] | None]
+    max_chunk_bytes: int
+    lease_s: float
+
+
+class InitFailed(_M):
+    consumer: str
+    session: str
+    reason: str
+
+
+class RegisterPlan(_M):
+    consumer: str
+    session: str
+    plan: bytes
+    node: str = ""
+    """Where this consumer runs: with a node, its plan is routed for that node (same-node producers first)."""
+
+
+class Routes(_M):
+    routes: dict[str, list[int]]
+
+
+class BeginSync(_M):  # from a producer (rank >= 0) or a consumer (consumer != "")
+    version: int
+    rank: int = -1
+    incarnation: int = 0
+    consumer: str = ""
+    session: str = ""
+
+
+class SyncView(_M):
+    version: int
+    members: dict[str, list[str]]
+    """consumer -> [plan digest, session]: the consumers this version is served to (fixed at its start)."""
+    epoch: int
+    producers: list[dict[str, Any]]
+    """[{"rank", "incarnation", "address", "desc"}] ready for this version (for a producer: every rank's
+    current incarnation)."""
+
+
+class Completed(_M):  # consumer -> coordinator: it holds this version, every group applied
+    consumer: str
+    session: str
+    version: int
+
+
+class AwaitVersion(_M):  # producer -> coordinator: the version's outcome (answers within a poll slice)
+    rank: int
+    incarnation: int
+    version: int
+
+
+class Outcome(_M):
+    done: bool
+    """Every member completed or was dropped, or the version failed."""
+    completed: list[str]
+    dropped: dict[str, str]
+    failed: str
+
+
+class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (rank, incarnation)
+    consumer: str = ""
+    session: str = ""
+    rank: int = -1
+    incarnation: int = 0
+
+
+class Lease(_M):
+    dead: list[list[str]]
+    """[[consumer, session, reason]] of members dropped since init (lease expired, abandoned, replaced)."""
+    dead_producers: dict[int, list[Any]]
+    """rank -> [incarnation that died, reason] (a restarted rank's new incarnation is not dead)."""
+    left: list[list[Any]]
+    """[[version, consumer, session, reason]]: consumers that abandoned one version."""
+    failed: dict[int, str]
+    """version -> reason, for versions a producer reported failed."""
+
+
+# ---------------------------------------------------------------- consumers <-> producers
+class WaitReady(_M):
+    consumer: str
+    session: str
+    version: int
+    group: str
+    """A given group ("" = the next one this producer has packed for the consumer and it has not released)."""
+    after: str = ""
+    """With ``group=""``: the next such group packed after this one (a consumer asks for group g+1 while it still
+    reads g). Idempotent: asked again with the same ``after``, the answer is the same group."""
+
+
+class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
+    pass
+
+
+class Ready(_M):
+    version: int
+    group: str
+    chunks: list[list[int]]
+    """[[chunk index, offset in the producer's registered buffer, nbytes, checksum or -1], ...]."""
+
+
+class Released(_M):
+    consumer: str
+    session: str
+    version: int
+    group: str
+
+
+class Abandon(_M):  # a consumer leaves one version (its engine rejected or failed it): not waited for
+    consumer: str
+    session: str
+    version: int
+    reason: str
+    lost_producer: int = -1
+    """The producer whose death made it fail: the version then fails for everyone, naming it."""
+
+
+class Goodbye(_M):  # a consumer leaves for good
+    consumer: str
+    session: str
+
+
+class Evict(_M):  # an orchestrator saw these consumers' engine die (Ray actor death): drop them now, not at lease end
+    consumers: list[str]
+    reason: str
+
+
+# ---------------------------------------------------------------- a rendezvous (a group finding its coordinator)
+class Lookup(_M):  # anyone -> the rendezvous: what has been published
+    pass
+
+
+class Published(_M):
+    coordinator: list[Any] | None
+    """The coordinator's ``[host, port]`` (None: none is serving, or the old one must not be used)."""
+    version: int
+    """The weight version it is about to serve (or last served)."""
+
+
+Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome,
+            InitFailed, RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease,
+            WaitReady, Pending, Ready, Released, Abandon, Goodbye, Evict, Lookup, Published]
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(Msg)
+
+
+def encode(msg: Msg) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode(payload: bytes) -> Msg:
+    """One of :data:`Msg` (``msgspec.DecodeError`` for anything else)."""
+    return _dec.decode(payload)
+
+
+def expect(reply: Msg, cls: type, peer: str) -> Any:
+    """``reply`` if it is a ``cls``; else TransportError naming the peer, what it answered and what was expected."""
+    if not isinstance(reply, cls):
+        raise TransportError(f"{peer} answered {type(reply).__name__}, expected {cls.__name__}")
+    return reply

@@ -1,0 +1,220 @@
+"""One sync of one producer: gather in lockstep, pack into the ring, announce, reclaim slots on release.
+
+It follows ``engine/schedule.py``'s rules 1-7 (the lockstep schedule it replays is ``schedule.lockstep``),
+then waits for the version's outcome (``producer.py``). Its counters are plain attributes and end up in the
+producer's ``stats`` (``max_resident``, ``peak_gathered_bytes``, ``slot_wait_s``/``gather_s``/``pack_s``: host
+time of the gather thread, by stage)::
+
+    stats = ProducerSync(producer, version, state, producer.source).run()
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from . import messages as m
+from .publish import Publisher
+from .versions import VersionState
+from .wire import chunk_checksum
+from ..errors import MetadataMismatch, ProducerLost, TransportError
+from ..source import check_tensor
+
+if TYPE_CHECKING:
+    from .producer import Producer
+
+__all__ = ["ProducerSync", "next_batch", "no_more_batches"]
+
+
+def next_batch(it: Iterator[Any], expect: list[str], b: int, *, rank: int,
+               n_batches: int) -> tuple[list[str], list[Any]]:
+    """Batch ``b`` of the source (its names must be ``expect``): iteration must follow ``groups()``."""
+    try:
+        names, tensors = next(it)
+    except StopIteration:
+        raise MetadataMismatch(f"producer {rank}: the source stopped after {b} gather groups; its "
+                               f"groups() lists {n_batches}") from None
+    if list(names) != expect:
+        raise MetadataMismatch(f"producer {rank}: gather group {b} of the source is {list(names)[:3]}..., "
+                               f"groups() said {expect[:3]}... (iteration must follow groups())")
+    return list(names), list(tensors)
+
+
+def no_more_batches(it: Iterator[Any], *, rank: int, n_batches: int) -> None:
+    if next(it, None) is not None:
+        raise MetadataMismatch(f"producer {rank}: the source yielded more gather groups than its "
+                               f"groups() lists ({n_batches})")
+
+
+class ProducerSync:
+    """Serve ``version`` from ``source`` (the producer's own, or a snapshot of it) to the members of ``st``."""
+
+    def __init__(self, producer: Producer, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0):
+        self.pr, self.version, self.st, self.source, self.snapshot_bytes = producer, version, st, source, snapshot_bytes
+        self.free = list(range(producer.n_slots))
+        """Ring slots not holding a packed, unreleased group."""
+        self.slot_of: dict[str, int] = {}
+        """Group -> the ring slot it is packed in (until every member released it)."""
+        self.users: dict[str, set[str]] = defaultdict(set)
+        """Plan digest -> the members that pull it."""
+        for c, (d, _) in st.members.items():
+            self.users[d].add(c)
+        self.max_resident = 0
+        """Most groups packed and unreleased at once (schedule rule 4: at most ``lookahead + 1``)."""
+        self.sent = 0
+        self.gathered = 0
+        """Full-tensor bytes the source materialised on this rank."""
+        self.peak = 0
+        """Most full-tensor bytes resident at once (schedule rule 5)."""
+        self.slot_wait_s = self.gather_s = self.pack_s = 0.0
+        self.pub = Publisher(producer.lane, timeout_s=producer.cfg.timeout_s, who=f"producer {producer.cfg.rank}")
+
+    def run(self) -> dict[str, Any]:
+        pr, st, version = self.pr, self.st, self.version
+        t0 = time.perf_counter()
+        try:
+            self._gather_and_pack()
+        finally:
+            self.pub.close()  # also when the sync fails: no publisher thread outlives it
+        pr._wait(lambda: all(not st.pending.get(g) for g in pr.order),
+                 lambda: f"every consumer to release version {version} (missing: "
+                         f"{sorted({c for g in pr.order for c in st.pending.get(g, ())})})", version, st)
+        pr._drain()
+        with pr.cv:
+            st.done = True
+            st.ready.clear()
+        outcome = self.outcome()
+        pr._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
+        pr.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=self.sent,
+                        max_resident=self.max_resident, lookahead=pr.cfg.lookahead, members=sorted(st.members),
+                        gathered_bytes=self.gathered, peak_gathered_bytes=self.peak,
+                        snapshot_bytes=self.snapshot_bytes,
+                        source_stats=dict(getattr(pr.source, "stats", None) or {}),
+                        completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
+                        dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
+                        pack_s=self.pack_s)
+        return dict(pr.stats)
+
+    def _gather_and_pack(self) -> None:
+        pr, ls, rank = self.pr, self.pr.schedule, self.pr.cfg.rank
+        assert pr.ring is not None
+        by_name = {x.name: x for x in pr.metas}
+        it = iter(self.source.iter_groups())
+        kept: dict[str, torch.Tensor] = {}
+        dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
+        for b, expect in enumerate(ls.batches):
+            t1 = time.perf_counter()
+            if ls.pack_after[b]:
+                self.await_slot(ls.pack_after[b][0])  # rule 4: no gather while the ring is full
+            t2 = time.perf_counter()
+            names, tensors = next_batch(it, expect, b, rank=rank, n_batches=len(ls.batches))
+            now = sum(t.nbytes for t in tensors if t is not None)
+            self.gathered += now
+            for n, t in zip(names, tensors):
+                if n in ls.keep[b]:
+                    if t is None:
+                        raise MetadataMismatch(f"producer {rank}: the source yielded no tensor for {n!r}, which "
+                                               "this rank holds and serves")
+                    shape, dt = pr._expect[n]
+                    if t.shape != shape or t.dtype != dt:
+                        check_tensor(by_name[n], t, rank=rank)
+                    kept[n] = t.contiguous()
+            self.peak = max(self.peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried
+            del tensors  # rule 2: the batch is dropped once looked at
+            t3 = time.perf_counter()
+            self.slot_wait_s += t2 - t1
+            self.gather_s += t3 - t2
+            for g in ls.pack_after[b]:
+                self.await_slot(g)
+                t4 = time.perf_counter()
+                self.max_resident = max(self.max_resident, len(self.slot_of) + 1)
+                slot = self.free.pop(0)
+                self.sent += self.pack(g, slot, kept, dropped)
+                dropped = []
+                self.slot_of[g] = slot
+                self.slot_wait_s += t4 - t3
+                self.pack_s += time.perf_counter() - t4
+                t3 = time.perf_counter()
+            for n in ls.drop_after[b]:
+                t = kept.pop(n, None)
+                if t is not None and pr.lane.cuda:
+                    dropped.append(t)
+        no_more_batches(it, rank=rank, n_batches=len(ls.batches))
+        self.pub.submit(lambda: None, what="the last pack", hold=dropped)
+        self.pub.flush()
+
+    def reclaim(self) -> bool:
+        """Rule 7: a released group frees its slot. True when a slot is free."""
+        self.pub.check()
+        for g, s in list(self.slot_of.items()):
+            if not self.st.pending.get(g):
+                self.free.append(s)
+                del self.slot_of[g]
+        return bool(self.free)
+
+    def await_slot(self, g: str) -> None:
+        st = self.st
+        def what() -> str:
+            waiting = sorted({c for gg in self.slot_of for c in st.pending.get(gg, ())})
+            return f"a free ring slot for group {g!r} (held by {sorted(self.slot_of)}: consumers {waiting} have not " \
+                   "released them)"
+
+        self.pr._wait(self.reclaim, what, self.version, st)
+
+    def pack(self, g: str, slot: int, full: dict[str, torch.Tensor], hold: list) -> int:
+        """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack
+        has run; returns the bytes it will send. The slot counts as held from now on."""
+        pr, st = self.pr, self.st
+        assert pr.ring is not None
+        base, sent = slot * pr.slot_bytes, 0
+        with pr.cv:
+            live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
+        units = pr.units[g]
+        with pr.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
+            for u in units:
+                c = u.chunk
+                u.packer.pack(full, pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
+        for u in units:
+            sent += u.chunk.nbytes * len(live.get(u.digest, ()))
+        with pr.cv:
+            st.pending[g] = set().union(*(self.users[u.digest] for u in units)) - st.dropped.keys()
+
+        def announce() -> None:
+            ready: dict[str, list[list[int]]] = defaultdict(list)
+            for u in units:
+                c = u.chunk
+                region = pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
+                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
+                                        if pr.cfg.verify_checksums else -1])
+            with pr.cv:
+                st.ready[g] = dict(ready)
+                st.packed.append(g)
+                pr.cv.notify_all()
+
+        self.pub.submit(announce, what=f"packing group {g!r}", hold=hold)
+        return sent
+
+    def outcome(self) -> m.Outcome:
+        """A sync returns the VERSION's outcome, not only this rank's part: every member completed (all groups, from
+        every producer) or was dropped — or the version failed, which is raised here too (``producer.py`` rule 3)."""
+        pr, st, version, cfg = self.pr, self.st, self.version, self.pr.cfg
+        deadline = time.monotonic() + cfg.timeout_s
+        while True:
+            if pr.coordinator is not None:
+                o = pr.coordinator.outcome(version, min(1.0, cfg.lease_s / 4))
+            else:
+                o = pr.client.call(m.AwaitVersion(rank=cfg.rank, incarnation=pr.incarnation, version=version),
+                                   timeout_s=cfg.lease_s + 1)
+            if o.failed or st.failed:
+                raise ProducerLost(f"producer {cfg.rank}: version {version} failed: {o.failed or st.failed}")
+            if o.done:
+                return o
+            if time.monotonic() > deadline:
+                missing = sorted(set(st.members) - set(o.completed) - set(o.dropped))
+                raise TransportError(f"producer {cfg.rank}: timed out after {cfg.timeout_s} s waiting for "
+                                     f"consumers {missing} to complete version {version} (this rank's part is done)")
+            with pr.cv:
+                pr._prune(version, st)
