@@ -117,3 +117,48 @@ def test_transfer_engine_into_two_real_vllm_replicas_tp2(tmp_path) -> None:
         assert r["exact"] and r["tensors_compared"] > 0
         assert len(r["bytes_per_consumer"]) == 4
         assert all(0.45 * r["full_model_bytes"] < b < 0.56 * r["full_model_bytes"] for b in r["bytes_per_consumer"])
+
+
+UNWRITTEN = '''
+import json, sys, threading
+import torch
+from safetensors.torch import load_file
+from vllm import LLM
+from shardsync import CoverageError, ModuleSource, Producer, ProducerConfig, ShardsyncError
+
+if __name__ == "__main__":
+    ckpt, drop = sys.argv[1], sys.argv[2]
+    state = {k: v for k, v in load_file(ckpt + "/model.safetensors").items() if k != drop}
+    llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.4,
+              weight_transfer_config={"backend": "shardsync"})
+    prod = Producer(ModuleSource(state), ProducerConfig(rank=0, n_producers=1, n_consumers=1, token="t" * 32,
+                                                        init_timeout_s=60))
+    errs = {}
+    def engine():
+        try:
+            llm.init_weight_transfer_engine({"init_info": {"coordinator": list(prod.address), "token": "t" * 32}})
+        except Exception as e:
+            errs["engine"] = str(e)
+    th = threading.Thread(target=engine); th.start()
+    try:
+        prod.init()
+    except ShardsyncError as e:
+        errs["producer"] = f"{type(e).__name__}: {e}"
+    th.join(120)
+    prod.close()
+    print(json.dumps(errs))
+'''
+
+
+def test_a_module_no_trainer_tensor_writes_is_refused_at_init(ckpts, tmp_path) -> None:
+    """A tensor left out of the trainer's tensors would leave its module on the old weights after every sync (while
+    the engine reports the new version): the engine refuses at init, naming it, and the producer learns of it."""
+    script = tmp_path / "unwritten.py"
+    script.write_text(UNWRITTEN)
+    drop = "model.layers.1.mlp.down_proj.weight"
+    proc = subprocess.run([sys.executable, str(script), ckpts("qwen3"), drop], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert drop in errs.get("engine", "") and "no trainer tensor writes" in errs["engine"], errs
+    assert "producer" in errs, errs  # the producer's init fails too (within its bound), naming the engine's reason

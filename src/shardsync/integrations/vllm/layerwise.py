@@ -129,8 +129,38 @@ def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta
         plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
                            consumer=consumer, rank=rank, device=_device_of(model), allow_fallback=True)
         _require_coverage(plan, tensors, rank)
+        unwritten = _unwritten_modules(model, tensors, plan)
+    _refuse_unwritten(model, plan, unwritten, rank)
     _refuse_deferred_attention(model, plan, rank)
     return plan
+
+
+def _unwritten_modules(model: nn.Module, tensors: dict, plan: Plan) -> dict[str, list[str]]:
+    """Modules holding checkpoint parameters (what vLLM's reload materialises; buffers such as a rotary cache are
+    computed, not loaded) that the plan never writes: ``{module: [tensor names]}``. Attention-like layers
+    (re-processed at finalize from their partners; their scales are not trainer tensors) are left out."""
+    written = {id(model.get_submodule(m)) for m in written_modules(plan)}  # a module may sit under two names
+    skip = skip_load_tensors()
+    out: dict[str, list[str]] = {}
+    for n, t in tensors.items():
+        mod, attr = _module_of(n)
+        m = model.get_submodule(mod)
+        if t.is_meta and t.numel() and attr not in skip and id(m) not in written and attr in m._parameters:
+            out.setdefault(mod, []).append(n)
+    return {m: ns for m, ns in out.items() if not is_deferred_attention_layer(model.get_submodule(m))}
+
+
+def _refuse_unwritten(model: nn.Module, plan: Plan, unwritten: dict[str, list[str]], rank: int) -> None:
+    """A module no sync writes would keep its old weights after every sync while the engine reports the new
+    version: refused at init, unless it shares its tensors with a written one (a tied LM head)."""
+    if not unwritten:
+        return
+    left = sorted(set(unwritten) - set(find_aliases(model, written_modules(plan))))
+    if left:
+        names = [n for m in left for n in unwritten[m]]
+        raise CoverageError(f"rank {rank}: {len(left)} engine module(s) hold checkpoint tensors that no trainer "
+                            f"tensor writes, e.g. {names[:6]}: after a sync they would keep their old weights — "
+                            "the trainer's tensors lack them, or their names do not map to them")
 
 
 def _require_coverage(plan: Plan, tensors: dict, rank: int) -> None:
