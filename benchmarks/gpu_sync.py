@@ -8,15 +8,16 @@ packers' and unpackers' views; it is reported as ``first_sync_s``):
   the FP8 process step (128x128 block scales, one fused Triton kernel, in place): the engine over each transport
   (``cuda_ipc``, ``nccl``, ``nixl`` if installed); beside it, in the same processes, the speed of light (plan
   bytes / a raw GPU0->GPU1 copy), the floor (the plan's groups copied back to back with no control plane, no
-  pack and no apply: what a pipeline could reach at best at this granularity) and the baselines (per-tensor and
-  1 GiB bucketed NCCL broadcast, each followed by the loader and the process step).
+  pack and no apply: what a pipeline could reach at best at this granularity) and the baselines
+  (``shardsync.tools.baseline``, the one ``shardsync bench`` times: per-tensor and 1 GiB bucketed NCCL broadcast,
+  each followed by the loader and the process step).
 * B — one producer -> a TP2 replica whose two consumers share GPU1: the engine (each pulls its slices) vs the
   same engine where each consumer's plan is every full tensor and its loader keeps its share ("full pull").
 * C — two producers on GPU0, each holding half the layers (PP2) -> one consumer: both stages served at once.
 
 Correctness, per transport: before the last sync the trainer's weights change (new seed) and the consumers'
 parameters and FP8 tensors are poisoned; after it each consumer compares, layer by layer, every byte with what
-its loaders + the same process step give on the full tensors.
+its loaders + the same process step give on the full tensors. The baselines' last rounds are checked the same way.
 
     python benchmarks/gpu_sync.py --out $OUT                       # full model, two ~140 GB GPUs
     python benchmarks/gpu_sync.py --device cpu --layers 2 --experts 4   # the same harness on CPU (tcp, nccl:gloo)
@@ -32,13 +33,11 @@ import sys
 import time
 import traceback
 import zlib
-from datetime import timedelta
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shared hosts
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from shardsync.engine.consumer import Consumer  # noqa: E402
@@ -49,6 +48,7 @@ from shardsync.plan.pack import GroupUnpacker, _packed_view, layout_group  # noq
 from shardsync.plan.record import record_plan  # noqa: E402
 from shardsync.plan.validate import same_bytes  # noqa: E402
 from shardsync.source import ModuleSource  # noqa: E402
+from shardsync.tools import baseline  # noqa: E402
 from shardsync.tools.cluster_procs import pp_share  # noqa: E402
 from shardsync.types import ParamMeta  # noqa: E402
 from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
@@ -56,6 +56,8 @@ from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
 FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "w13_weight", "w2_weight")
 TOKEN = "bench"
+BUCKET = {"tensor": 0, "bucket": 1 << 30}
+"""The broadcast baselines (``tools/baseline.py``): per-tensor, and 1 GiB buckets."""
 
 
 def zoo_config(args) -> ZooConfig:
@@ -128,8 +130,9 @@ def producer_proc(rank: int, n: int, args, q_in, q_out, bcast_world: bool) -> No
         reseed(1)
         source = ModuleSource(state, held=held if n > 1 else None)
         if bcast_world:
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                    rank=0, world_size=2, timeout=timedelta(seconds=600))
+            bgroups = baseline.init_baseline(0, 2, args.port, 1, backend="nccl" if dev.type == "cuda" else "gloo",
+                                             timeout_s=600)
+            owner = baseline.owners([names], metas)
         q_out.put(("started", rank))
         prod = None
         while (cmd := q_in.get()) is not None:
@@ -157,24 +160,9 @@ def producer_proc(rank: int, n: int, args, q_in, q_out, bcast_world: bool) -> No
                 prod = None
                 q_out.put(("closed", rank))
             elif kind == "bcast":
-                _, mode = cmd
-                dist.barrier()
-                t0 = time.perf_counter()
-                if mode == "tensor":
-                    for m in metas:
-                        dist.broadcast(state[m.name], src=0)
-                else:
-                    bucket = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-                    for chunk in buckets(metas, 1 << 30):
-                        off = 0
-                        for m in chunk:
-                            bucket[off: off + m.nbytes].view(torch.bfloat16).view(m.shape).copy_(state[m.name])
-                            off += m.nbytes
-                        dist.broadcast(bucket[:off], src=0)
-                    del bucket
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                q_out.put(("bcast", rank, {"seconds": time.perf_counter() - t0}))
+                secs = baseline.broadcast_send(source, metas, owner, 0, bgroups, bucket_bytes=BUCKET[cmd[1]],
+                                               device=dev, barrier=True)
+                q_out.put(("bcast", rank, {"seconds": secs}))
     except BaseException as e:
         q_out.put(("error", rank, f"producer {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
 
@@ -192,18 +180,6 @@ def profiled(args, who: str, fn, *a):
         f.write(f"\n==== {who} sync {a} {r.get('seconds', 0):.4f} s\n")
         pstats.Stats(pr, stream=f).sort_stats("tottime").print_stats(18)
     return r
-
-
-def buckets(metas, cap):
-    cur, size = [], 0
-    for m in metas:
-        if cur and size + m.nbytes > cap:
-            yield cur
-            cur, size = [], 0
-        cur.append(m)
-        size += m.nbytes
-    if cur:
-        yield cur
 
 
 def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_out, bcast_world: bool) -> None:
@@ -236,8 +212,9 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
             proc.run(g)
 
         if bcast_world:
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{args.port}",
-                                    rank=1, world_size=2, timeout=timedelta(seconds=600))
+            bgroups = baseline.init_baseline(1, 2, args.port, 1, backend="nccl" if dev.type == "cuda" else "gloo",
+                                             timeout_s=600)
+            owner = baseline.owners([[m.name for m in metas]], metas)
         q_out.put(("started", cid))
         cons = None
         while (cmd := q_in.get()) is not None:
@@ -270,43 +247,15 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
                 cons.close()
                 cons = None
                 q_out.put(("closed", cid))
-            elif kind == "bcast":
-                q_out.put(("bcast", cid, bcast_receive(cmd[1], metas, live, proc, dev)))
+            elif kind == "bcast":  # the baseline: full tensors, this rank's loader keeps its share, then fp8
+                secs, _ = baseline.broadcast_receive(metas, owner, bgroups, live.load_weights,
+                                                     bucket_bytes=BUCKET[cmd[1]], device=dev, barrier=True,
+                                                     on_group=proc.run)
+                q_out.put(("bcast", cid, {"seconds": secs}))
             elif kind == "link":
                 q_out.put(("link", cid, link(plan, layouts, dev)))
     except BaseException as e:
         q_out.put(("error", cid, f"consumer {cid}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
-
-
-def bcast_receive(mode: str, metas, live, proc, dev) -> dict:
-    """Baseline: full tensors broadcast from the trainer; the consumer's own loader keeps its share; a layer's
-    process step runs once its last tensor has been loaded."""
-    left: dict[str, int] = {}
-    for m in metas:
-        left[weight_group(m.name)] = left.get(weight_group(m.name), 0) + 1
-    bucket = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for chunk in ([[m] for m in metas] if mode == "tensor" else buckets(metas, 1 << 30)):
-        if mode == "tensor":
-            t = torch.empty(chunk[0].shape, dtype=torch.bfloat16, device=dev)
-            dist.broadcast(t, src=0)
-            tensors = [(chunk[0].name, t)]
-        else:
-            dist.broadcast(bucket[: sum(m.nbytes for m in chunk)], src=0)
-            tensors, off = [], 0
-            for m in chunk:
-                tensors.append((m.name, bucket[off: off + m.nbytes].view(torch.bfloat16).view(m.shape)))
-                off += m.nbytes
-        live.load_weights(tensors)
-        for name, _ in tensors:
-            g = weight_group(name)
-            left[g] -= 1
-            if left[g] == 0:
-                proc.run(g)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return {"seconds": time.perf_counter() - t0}
 
 
 def link(plan, layouts, dev) -> dict:
@@ -463,13 +412,21 @@ class Group:
                 "exact": all(c["exact"] for c in checked.values()), "checked": checked,
                 "ready": {str(k): v for k, v in ready.items()}, "last": {str(k): v for k, v in last.items()}}
 
-    def bcast(self, mode: str, iters: int) -> float:
+    def bcast(self, mode: str, iters: int, seed: int = 3) -> tuple[float, dict]:
+        """The broadcast baseline: a warm-up + ``iters`` timed rounds; before the last one the trainer's weights
+        change (``seed``) and the consumers are poisoned; afterwards the same byte check as the engine's."""
         ts = []
-        for _ in range(iters + 1):
+        for i in range(iters + 1):
+            if i == iters:
+                self.send(self.producers, "reseed", seed)
+                self.expect("reseeded", set(self.producers))
+                self.send(self.consumers, "poison")
+                self.expect("poisoned", set(self.consumers))
             self.send([0] + self.consumers, "bcast", mode)
             r = self.expect("bcast", {0} | set(self.consumers), 1800)
             ts.append(max(x["seconds"] for x in r.values()))
-        return statistics.median(ts[1:])
+        self.send(self.consumers, "check", seed)
+        return statistics.median(ts[1:]), self.expect("checked", set(self.consumers), 1800)
 
     def close(self) -> None:
         for q in self.qs.values():
@@ -531,10 +488,11 @@ def main() -> None:
                 a["engine"][t] = g.run_engine(t, args.iters, 1 + 100 * i)
                 log(f"  A engine {t:<10}: median {a['engine'][t]['seconds']:.4f} s {a['engine'][t]['all_s']} "
                     f"exact={a['engine'][t]['exact']}; last sync: {stages(a['engine'][t]['last'])}")
-            a["bcast_bucket_s"] = g.bcast("bucket", args.iters)
-            log(f"  A bucketed 1 GiB broadcast: {a['bcast_bucket_s']:.4f} s")
-            a["bcast_tensor_s"] = g.bcast("tensor", args.iters)
-            log(f"  A per-tensor broadcast: {a['bcast_tensor_s']:.4f} s")
+            a["baseline_checked"] = {}
+            for mode, what in (("bucket", "bucketed 1 GiB"), ("tensor", "per-tensor")):
+                a[f"bcast_{mode}_s"], a["baseline_checked"][mode] = g.bcast(mode, args.iters)
+                log(f"  A {what} broadcast: {a[f'bcast_{mode}_s']:.4f} s "
+                    f"exact={all(c['exact'] for c in a['baseline_checked'][mode].values())}")
             a["plan_bytes"] = a["engine"][transports[0]]["ready"]["tp0"]["plan_bytes"]
             g.close()
             summary["A"] = report_a(a, log)
@@ -585,7 +543,8 @@ def report_a(a: dict, log) -> dict:
     e = a["engine"][best]["seconds"]
     return {**a, "sol_s": sol, "best": best, "sol_ratio": sol / e, "vs_floor": e / floor,
             "speedup_vs_tensor_bcast": a["bcast_tensor_s"] / e, "speedup_vs_bucket_bcast": a["bcast_bucket_s"] / e,
-            "exact": all(x["exact"] for x in a["engine"].values())}
+            "exact": all(x["exact"] for x in a["engine"].values()),
+            "baseline_exact": all(c["exact"] for r in a["baseline_checked"].values() for c in r.values())}
 
 
 def report_b(b: dict, a: dict | None, log) -> dict:
@@ -622,6 +581,7 @@ def headline(s: dict) -> dict:
         out.update(A_best=a["best"], A_sol_ratio=round(a["sol_ratio"], 3), A_vs_floor=round(a["vs_floor"], 3),
                    A_vs_tensor_bcast=round(a["speedup_vs_tensor_bcast"], 2),
                    A_vs_bucket_bcast=round(a["speedup_vs_bucket_bcast"], 2), A_exact=a["exact"],
+                   A_baseline_exact=a["baseline_exact"],
                    A_seconds={t: round(r["seconds"], 4) for t, r in a["engine"].items()})
     for k in ("B", "C"):
         if k in s:

@@ -192,14 +192,15 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
             names = [m.name for m in metas]
             owner = baseline.owners([pp_share(names, p, bl["producers"]) for p in range(bl["producers"])], metas)
         out.send(("ready", cid, dict(cons.stats, pid=os.getpid())))
+        holds = {"version": 0, "torn": False}  # what `live` holds: the last sync that wrote it, by either path
         while (msg := cmd.get()) is not None:
             kind, v, fault = msg if len(msg) == 3 else (*msg, None)
             if kind == "check":  # fail closed: a torn consumer serves nothing; else it must hold its version exactly
-                state = {"version": cons.version, "torn": cons.torn, "rejoins": cons.rejoins}
-                if not cons.torn:
+                state = {**holds, "rejoins": cons.rejoins}
+                if not holds["torn"]:
                     ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
-                    if cons.version:
-                        expected = weights_at(spec)(cons.version) if spec else hf_state_dict(zc, seed=cons.version)
+                    if holds["version"]:
+                        expected = weights_at(spec)(holds["version"]) if spec else hf_state_dict(zc, seed=holds["version"])
                         ref.load_weights(expected.items())
                         state["mismatched"] = mismatched(live.state_dict(), ref.state_dict())
                     else:
@@ -208,14 +209,18 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
                 continue
             if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders
                 secs, got = baseline.broadcast_receive(metas, owner, groups, live.load_weights)
+                holds.update(version=v, torn=False)
                 out.send(("synced", cid, {"seconds": secs, "bytes_received": got}))
                 continue
             faults.clear()
             faults.update(fault or {})
+            before = (cons.version, cons.torn)
             try:
                 out.send(("synced", cid, cons.sync(v)))
             except Exception as e:
                 out.send(("synced", cid, dict(_failure(e), torn=cons.torn, version=cons.version)))
+            if (cons.version, cons.torn) != before:  # a failed sync that wrote nothing leaves `live` as it was
+                holds.update(version=cons.version, torn=cons.torn)
         cons.close()
     except BaseException as e:
         out.send(("error", cid, f"consumer {cid}: {type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
