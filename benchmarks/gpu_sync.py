@@ -44,14 +44,14 @@ from shardsync.engine.consumer import Consumer  # noqa: E402
 from shardsync.engine.producer import Producer, ProducerConfig  # noqa: E402
 from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape  # noqa: E402
 from shardsync.plan.groups import weight_group  # noqa: E402
-from shardsync.plan.pack import GroupUnpacker, _packed_view, layout_group  # noqa: E402
-from shardsync.plan.record import record_plan  # noqa: E402
+from shardsync.plan.pack import _packed_view, layout_group  # noqa: E402
 from shardsync.plan.validate import same_bytes  # noqa: E402
 from shardsync.source import ModuleSource  # noqa: E402
 from shardsync.tools import baseline  # noqa: E402
 from shardsync.tools.cluster_procs import pp_share  # noqa: E402
+from shardsync.tools.harness.consumers import ZooConsumer, zoo_plan  # noqa: E402
 from shardsync.types import ParamMeta  # noqa: E402
-from shardsync.zoo import ZooConfig, ZooModel, hf_shapes  # noqa: E402
+from shardsync.zoo import ZooConfig, hf_shapes  # noqa: E402
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
 FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "w13_weight", "w2_weight")
@@ -80,13 +80,6 @@ def fill(t: torch.Tensor, name: str, seed: int) -> torch.Tensor:
     checker regenerate the same bytes independently."""
     g = torch.Generator(device=t.device).manual_seed(zlib.crc32(name.encode()) * 1000 + seed)
     return t.copy_(torch.randn(t.shape, generator=g, device=t.device) * 0.5 + 0.01)
-
-
-def record(cfg: ZooConfig, metas, tp: int, rank: int, cid: str):
-    with torch.device("meta"):
-        dry = ZooModel(cfg, tp_size=tp, tp_rank=rank)
-    return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
-                       consumer=cid, rank=rank)
 
 
 class Processor:
@@ -190,13 +183,14 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
         cfg = zoo_config(args)
         metas = metadata(cfg)
         by_name = {m.name: m for m in metas}
-        plan = record(cfg, metas, 1 if full_pull else tp, 0 if full_pull else rank, cid)
-        with torch.device(dev):
-            live = ZooModel(cfg, tp_size=tp, tp_rank=rank)
-        params = {n: p.detach() for n, p in live.named_parameters()}
+        zoo = ZooConsumer(cfg, cid, tp=tp, tp_rank=rank, device=dev)
+        live, params = zoo.live, zoo.params
+        plan = zoo_plan(cfg, metas, cid) if full_pull else zoo.record(metas)  # full pull: a TP1 plan, every tensor
         proc = Processor(params)
         layouts = {g.name: layout_group(g) for g in plan.groups}
-        unpackers = {g.name: GroupUnpacker(g, layouts[g.name]) for g in plan.groups}
+        if not full_pull:
+            for g in plan.groups:
+                zoo.unpacker(g.name)  # built before the first sync
         full_views: dict[tuple[str, int], list] = {}
 
         def apply(g: str, buf: torch.Tensor) -> None:
@@ -208,7 +202,7 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
                     assert all(tuple(v.shape) == tuple(by_name[n].shape) for n, v in full_views[key])
                 live.load_weights(full_views[key])
             else:
-                unpackers[g].unpack(buf, params)
+                zoo.apply(g, buf)
             proc.run(g)
 
         if bcast_world:
@@ -242,7 +236,7 @@ def consumer_proc(cid: str, tp: int, rank: int, full_pull: bool, args, q_in, q_o
                                                              "recv_bytes", "transports", "ready_wait_s",
                                                              "read_s")}))
             elif kind == "check":
-                q_out.put(("checked", cid, check(cfg, metas, tp, rank, params, proc, dev, cmd[1])))
+                q_out.put(("checked", cid, check(zoo, metas, proc, cmd[1])))
             elif kind == "close":
                 cons.close()
                 cons = None
@@ -287,12 +281,11 @@ def link(plan, layouts, dev) -> dict:
     return {"p2p_gbps": gbps, "floor_s": statistics.median(floors)}
 
 
-def check(cfg, metas, tp, rank, params, proc, dev, seed: int) -> dict:
+def check(zoo: ZooConsumer, metas, proc, seed: int) -> dict:
     """Layer by layer: this rank's loaders + the process step on the full tensors at ``seed`` == what the syncs
     left behind, byte for byte (bf16 buffers and FP8 kernel tensors)."""
-    one = ZooConfig(**{**cfg.__dict__, "layers": 1})
-    with torch.device(dev):
-        ref = ZooModel(one, tp_size=tp, tp_rank=rank)
+    cfg, params, dev = zoo.cfg, zoo.params, zoo.device
+    ref = zoo.model(dev, ZooConfig(**{**cfg.__dict__, "layers": 1}))
     ref_params = {n: p.detach() for n, p in ref.named_parameters()}
     bad, compared = [], 0
 

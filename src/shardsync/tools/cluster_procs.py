@@ -143,36 +143,22 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
     try:
         torch.set_num_threads(1)
         from ..engine.consumer import Consumer
-        from ..plan.pack import GroupUnpacker, layout_group
-        from ..plan.record import record_plan
-        from ..plan.validate import mismatched
-        from ..zoo import ZooModel, hf_state_dict
+        from ..zoo import hf_state_dict
+        from .harness.consumers import ZooConsumer
 
         zc = ZooConfig(**cfg)
         ccfg = dict(ccfg)
         spec = ccfg.pop("check_spec", None)  # what the trainer holds at each version (default: the zoo weights)
-        live = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
-        params = dict(live.named_parameters())
-
-        def record(metas):
-            dry = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
-            return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
-                               consumer=cid, rank=tp_rank)
-
-        unpackers: dict = {}
         faults: dict[str, int] = {}
 
-        def apply(group: str, buf: torch.Tensor) -> None:
-            if group not in unpackers:
-                g = cons.plan.group(group)
-                unpackers[group] = GroupUnpacker(g, layout_group(g))
-            unpackers[group].unpack(buf, params)
+        def after_apply(group: str) -> None:
             if "die_at_apply" in faults:
                 faults["die_at_apply"] -= 1
                 if faults["die_at_apply"] <= 0:
                     _die()  # after the group's bytes were written: mid-apply of the version
 
-        cons = Consumer(cid, coord, token=token, record=record, apply=apply, **ccfg)
+        zoo = ZooConsumer(zc, cid, tp=tp, tp_rank=tp_rank, on_apply=after_apply)
+        cons = Consumer(cid, coord, token=token, record=zoo.record, apply=zoo.apply, **ccfg)
         read = cons.transport.read
 
         def counting_read(*a, **k):
@@ -197,18 +183,14 @@ def consumer_main(cid: str, tp: int, tp_rank: int, cfg: dict, coord: list, token
             kind, v, fault = msg if len(msg) == 3 else (*msg, None)
             if kind == "check":  # fail closed: a torn consumer serves nothing; else it must hold its version exactly
                 state = {**holds, "rejoins": cons.rejoins}
-                if not holds["torn"]:
-                    ref = ZooModel(zc, tp_size=tp, tp_rank=tp_rank)
-                    if holds["version"]:
-                        expected = weights_at(spec)(holds["version"]) if spec else hf_state_dict(zc, seed=holds["version"])
-                        ref.load_weights(expected.items())
-                        state["mismatched"] = mismatched(live.state_dict(), ref.state_dict())
-                    else:
-                        state["mismatched"] = []  # never synced: holds its initial weights, not a trainer version
+                if not holds["torn"]:  # version 0: never synced, its initial weights are no trainer version
+                    held = holds["version"]
+                    state["mismatched"] = zoo.mismatched(weights_at(spec)(held) if spec else
+                                                         hf_state_dict(zc, seed=held)) if held else []
                 out.send(("checked", cid, state))
                 continue
             if kind == "baseline":  # full tensors broadcast, loaded by the model's own loaders
-                secs, got = baseline.broadcast_receive(metas, owner, groups, live.load_weights)
+                secs, got = baseline.broadcast_receive(metas, owner, groups, zoo.live.load_weights)
                 holds.update(version=v, torn=False)
                 out.send(("synced", cid, {"seconds": secs, "bytes_received": got}))
                 continue

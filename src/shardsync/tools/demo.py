@@ -6,39 +6,27 @@ in-process loopback sync; each rank receives only the bytes it keeps.
 
 from __future__ import annotations
 
-
-
+from .harness.consumers import ZooConsumer
 from .output import emit_json
-from ..engine.loopback import LocalConsumer, loopback_sync
-from ..plan.record import record_plan
+from ..engine.loopback import loopback_sync
 from ..source import ModuleSource
-from ..plan.validate import mismatched
-from ..zoo import ZooConfig, ZooModel, hf_state_dict
+from ..zoo import ZooConfig, hf_state_dict
 
 
 def run_zoo_demo(*, tp: int = 2, syncs: int = 3, layers: int = 4, as_json: bool = False) -> bool:
     cfg = ZooConfig.qwen3_moe_tiny(layers=layers, hidden=128, moe_inter=64, experts=16, vocab=1000)
     metas = ModuleSource(hf_state_dict(cfg)).metadata()
     full_bytes = sum(m.nbytes for m in metas)
-    consumers, lives = [], []
-    for r in range(tp):
-        dry = ZooModel(cfg, tp_size=tp, tp_rank=r)
-        plan = record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
-                           consumer=f"tp{r}", rank=r)
-        live = ZooModel(cfg, tp_size=tp, tp_rank=r)
-        consumers.append(LocalConsumer(plan, dict(live.named_parameters())))
-        lives.append(live)
+    zoos = [ZooConsumer(cfg, f"tp{r}", tp=tp, tp_rank=r) for r in range(tp)]
+    consumers = [z.local(metas) for z in zoos]
+    for r, plan in enumerate(c.plan for c in consumers):
         print(f"rank {r}: plan {plan.digest[:12]}  {sum(len(g.scatters) for g in plan.groups)} slices in "
               f"{len(plan.groups)} groups, {plan.nbytes / 1e6:.2f} MB of {full_bytes / 1e6:.2f} MB")
     all_ok = True
     for version in range(1, syncs + 1):
         sd = hf_state_dict(cfg, seed=version)  # the trainer's weights after step `version`
         report = loopback_sync(ModuleSource(sd), consumers, version=version)
-        ok = []
-        for r, live in enumerate(lives):
-            ref = ZooModel(cfg, tp_size=tp, tp_rank=r)
-            ref.load_weights(sd.items())  # what the engine's own loaders make of the full tensors
-            ok.append(not mismatched(ref.state_dict(), live.state_dict()))
+        ok = [not z.mismatched(sd) for z in zoos]  # vs what the engine's own loaders make of the full tensors
         all_ok &= all(ok)
         per = "  ".join(f"rank{r} {b / 1e6:.3f} MB ({b / full_bytes:.0%})" for r, b in enumerate(report.bytes_per_consumer))
         print(f"sync v{version}: {per}  {report.seconds * 1e3:.1f} ms  bit-exact: {'yes' if all(ok) else 'NO'}")

@@ -14,11 +14,9 @@ from ..errors import TransportError
 from ..integrations.ray import start_consumer, start_producer
 from ..transport import make_transport
 from ..transport.rdt import RdtServing
-from ..plan.pack import GroupUnpacker, layout_group
-from ..plan.record import record_plan
-from ..plan.validate import mismatched
-from ..zoo import ZooConfig, ZooModel, hf_state_dict
+from ..zoo import ZooConfig, hf_state_dict
 from .cluster_procs import VersionedSource
+from .harness.consumers import ZooConsumer
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)  # rdt reads run while sync() does
@@ -47,23 +45,9 @@ class TrainerRank(RdtServing):
 class ZooEngine:
     def __init__(self, consumer_id: str, cfg: dict, tp: int, tp_rank: int, *, group: str, **ckw: Any):
         torch.set_num_threads(1)
-        self.zc, self.tp, self.rank = ZooConfig(**cfg), tp, tp_rank
-        self.live = ZooModel(self.zc, tp_size=tp, tp_rank=tp_rank)
-        params = dict(self.live.named_parameters())
-        unpackers: dict[str, GroupUnpacker] = {}
-
-        def record(metas):
-            dry = ZooModel(self.zc, tp_size=tp, tp_rank=tp_rank)
-            return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
-                               consumer=consumer_id, rank=tp_rank)
-
-        def apply(group_name: str, buf: torch.Tensor) -> None:
-            if group_name not in unpackers:
-                g = self.consumer.plan.group(group_name)
-                unpackers[group_name] = GroupUnpacker(g, layout_group(g))
-            unpackers[group_name].unpack(buf, params)
-
-        self.consumer = start_consumer(consumer_id, group=group, record=record, apply=apply, **ckw)
+        self.zc = ZooConfig(**cfg)
+        self.zoo = ZooConsumer(self.zc, consumer_id, tp=tp, tp_rank=tp_rank)
+        self.consumer = start_consumer(consumer_id, group=group, record=self.zoo.record, apply=self.zoo.apply, **ckw)
 
     def init(self) -> bool:
         self.consumer.init()
@@ -82,9 +66,7 @@ class ZooEngine:
         v = self.consumer.version
         if v == 0 or self.consumer.torn:
             return {"version": v, "torn": self.consumer.torn, "mismatched": None}
-        ref = ZooModel(self.zc, tp_size=self.tp, tp_rank=self.rank)
-        ref.load_weights(hf_state_dict(self.zc, seed=v).items())
-        return {"version": v, "torn": False, "mismatched": mismatched(self.live.state_dict(), ref.state_dict())}
+        return {"version": v, "torn": False, "mismatched": self.zoo.mismatched(hf_state_dict(self.zc, seed=v))}
 
     def close(self) -> None:
         self.consumer.close()
