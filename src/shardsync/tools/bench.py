@@ -126,7 +126,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     import tempfile
 
     from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-    from ..integrations.vllm.replicas import VllmReplicas, _parallel
+    from .harness.vllm_engine import VllmReplicas, parallel
     from ..types import dtype_name
 
     ckpt = build_tiny_checkpoint(arch, os.path.join(tempfile.gettempdir(), "shardsync-bench", f"{arch}-{size}"),
@@ -147,7 +147,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
         for i in range(syncs + 1):
             v += 1
             t0 = time.perf_counter()
-            _parallel([lambda: cluster.sync(v), lambda: reps.sync(v)])
+            parallel([lambda: cluster.sync(v), lambda: reps.sync(v)])
             t_ours = time.perf_counter() - t0
             per = [s["bytes_received"] for s in reps.status()]
             if i == syncs:

@@ -1,6 +1,6 @@
 """An object living in a child process of its own process group: call its methods, kill it as a whole.
 
-    h = Hosted("r0", "shardsync.tools.rl_workers:RolloutEngine", kwargs)   # constructs it in a new process
+    h = Hosted("r0", "shardsync.tools.harness.vllm_engine:VllmEngine", kwargs)   # constructs it in a new process
     h.ready(timeout=600)                      # waits until the constructor returned (or raises its error)
     call = h.call("generate", prompts)        # sends the call; the child runs calls one at a time, in order
     tokens = call.result(timeout=60)          # its return value, or the child's exception as HostedError

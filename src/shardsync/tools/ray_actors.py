@@ -16,6 +16,7 @@ from ..transport import make_transport
 from ..transport.rdt import RdtServing
 from ..zoo import ZooConfig, hf_state_dict
 from .cluster_procs import VersionedSource
+from .harness import vllm_engine as harness_vllm
 from .harness.consumers import ZooConsumer
 
 
@@ -73,36 +74,23 @@ class ZooEngine:
 
 
 @ray.remote(num_cpus=0)
-class VllmEngine:
+class VllmEngine(harness_vllm.VllmEngine):
     """One real vLLM engine (TP ``tp``, its own executor inside this actor: vLLM's Ray executor does not run on CPU)
     whose workers pull from the group's producers."""
 
     def __init__(self, model_dir: str, replica: str, *, group: str, tp: int = 1, timeout_s: float = 300.0):
-        from ..integrations.ray import lookup
-        from ..integrations.vllm.replicas import VllmReplicas
-
-        info = lookup(group)
-        self.model_dir = model_dir
-        self.reps = VllmReplicas(model_dir, replicas=1, tp=tp, coordinator=info["coordinator"], token=info["token"],
-                                 transport=info["transport"], timeout_s=timeout_s)
-        self.reps.init_info[0]["replica"] = replica
+        super().__init__(model_dir, name=replica, tp=tp, group=group, timeout_s=timeout_s, connect=False)
 
     def init(self) -> bool:
-        self.reps.init()
+        super().init()
         return True
 
-    def sync(self, version: int) -> dict[str, Any]:
-        self.reps.sync(version)
-        return {"ok": True, "version": version, "bytes_received": sum(s["bytes_received"] for s in self.reps.status())}
-
     def check(self, version: int) -> dict[str, Any]:
+        """Equal to a FRESH engine started on the trainer's weights of ``version``?"""
         from ..integrations.vllm.checkpoints import load_checkpoint, perturb
 
-        exact, bad, n = self.reps.check_against_fresh(perturb(load_checkpoint(self.model_dir), version))
+        exact, bad, n = self.check_against_fresh(perturb(load_checkpoint(self.model_dir), version))
         return {"exact": exact, "mismatched": bad[:5], "compared": n}
-
-    def close(self) -> None:
-        self.reps.close()
 
 
 def close_actors(actors: list, group: str, *, timeout_s: float = 10.0, kill: bool = False) -> None:

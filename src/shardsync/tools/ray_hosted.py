@@ -1,6 +1,6 @@
 """``hosted.Hosted``'s interface over a Ray actor: the demo runs the same worker classes as actors with ``--ray``.
 
-    h = RayHosted("r0", "shardsync.tools.rl_workers:RolloutEngine", kwargs)   # a named actor (namespace shardsync)
+    h = RayHosted("r0", "shardsync.tools.harness.vllm_engine:VllmEngine", kwargs)   # a named actor (namespace shardsync)
     h.ready(600); h.call("generate", prompts).result(60); h.kill()             # ray.kill: the actor process dies
 
 Errors map as in ``hosted``: the actor's exception -> :class:`HostedError`, a dead actor -> :class:`HostedDied`.

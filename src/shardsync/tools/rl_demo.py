@@ -32,6 +32,7 @@ from .rl_task import Task, make_batch, make_prompts, rewards
 __all__ = ["DemoConfig", "run_rl_demo"]
 
 WORKERS = "shardsync.tools.rl_workers"
+ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
 @dataclass
@@ -125,9 +126,9 @@ class _Loop:
     def _boot(self, name: str) -> None:
         where = dict(group=self.group) if self.group is not None else dict(coordinator=self.coordinator,
                                                                             token=self.token)
-        self.booting[name] = self.host(name, f"{WORKERS}:RolloutEngine",
-                                       dict(name=name, checkpoint=self.ckpt0, work=self.work,
-                                            timeout_s=self.cfg.timeout_s, **where))
+        self.booting[name] = self.host(name, ENGINE, dict(model_dir=self.ckpt0, name=name, seed=0,
+                                                          plan_dir=os.path.join(self.work, f"engine-{name}"),
+                                                          timeout_s=self.cfg.timeout_s, **where))
 
     def _admit(self, wait_s: float = 0.0) -> list[str]:
         """Engines whose start-up finished join the live set (they registered with the coordinator)."""
@@ -178,7 +179,7 @@ class _Loop:
         saved = _raise_any(_results({f"rank{i}": r.call("save", version) for i, r in enumerate(self.ranks)},
                                     120), f"checkpoint v{version}")
         ckpt = saved["rank0"]["path"]
-        res = _results({n: e.call("check", ckpt) for n, e in self.engines.items()}, 300)
+        res = _results({n: e.call("check_fresh_load", ckpt) for n, e in self.engines.items()}, 300)
         return saved, res
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import time
 from .output import emit_json
 from .localcluster import LocalCluster
 from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-from ..integrations.vllm.replicas import VllmReplicas, _parallel
+from .harness.vllm_engine import VllmReplicas, parallel
 
 
 def run_vllm_demo(*, arch: str = "qwen3_moe", producers: int = 2, replicas: int = 2, tp: int = 2, syncs: int = 3,
@@ -38,7 +38,7 @@ def run_vllm_demo(*, arch: str = "qwen3_moe", producers: int = 2, replicas: int 
         all_ok = True
         for v in range(1, syncs + 1):
             ts = time.perf_counter()
-            prod, _ = _parallel([lambda: cluster.sync(v), lambda: reps.sync(v)])
+            prod, _ = parallel([lambda: cluster.sync(v), lambda: reps.sync(v)])
             dt = time.perf_counter() - ts
             per = [s["bytes_received"] for s in reps.status()]
             exact, bad, n = reps.check_against_fresh(perturb(base, v), tag=f"-v{v}")
