@@ -40,7 +40,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
-    from shardsync.tools.reftrainer import RefTrainer
+    from shardsync.tools.harness.fsdp_trainer import RefTrainer
 
     trainer = RefTrainer(arch="qwen3", seed=0, dtype=torch.bfloat16)        # FSDP2 over both ranks
     llm = None

@@ -43,7 +43,7 @@ def main() -> int:
 
     from shardsync import ModuleSource
     from shardsync.engine.producer import Producer, ProducerConfig
-    from shardsync.tools.reftrainer import build_model
+    from shardsync.tools.harness.fsdp_trainer import build_model
 
     work = tempfile.mkdtemp(prefix="shardsync-plain-")
     model = build_model("qwen3", seed=0, dtype=torch.bfloat16)

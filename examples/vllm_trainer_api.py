@@ -70,7 +70,7 @@ def main() -> int:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
-    from shardsync.tools.reftrainer import build_model
+    from shardsync.tools.harness.fsdp_trainer import build_model
 
     work = tempfile.mkdtemp(prefix="shardsync-example-")
     model = build_model("qwen3", seed=0, dtype=torch.bfloat16)        # the trainer's policy (tiny, random init)

@@ -14,7 +14,7 @@ from helpers import free_port
 
 from shardsync.tools.baseline import chunks, owners
 from shardsync.tools.bench import run_bench
-from shardsync.tools.localcluster import LocalCluster
+from shardsync.tools.harness.cluster import LocalCluster
 from shardsync.types import ParamMeta
 from shardsync.zoo import ZooConfig
 
@@ -55,7 +55,8 @@ def test_bench_reports_both_paths_bit_exact(capsys) -> None:
 def test_gpu_benchmark_baselines_exact_on_cpu(tmp_path) -> None:
     p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_sync.py"), "--device", "cpu", "--layers", "1",
                         "--experts", "4", "--scenarios", "A", "--transports", "tcp", "--iters", "1",
-                        "--port", str(free_port()), "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                        "--port", str(free_port()), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     a = json.load(open(tmp_path / "gpu_sync.json"))["A"]
     assert a["exact"] and a["baseline_exact"], a["baseline_checked"]

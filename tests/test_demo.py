@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from shardsync.tools.hosted import Hosted, HostedDied, HostedError
+from shardsync.tools.harness.hosts import Hosted, HostedDied, HostedError
 from shardsync.tools.rl_task import Task, advantages, grpo_loss, make_batch, make_prompts, rewards, score, split_batch
 
 

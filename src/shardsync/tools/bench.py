@@ -19,7 +19,7 @@ import time
 import torch
 
 from .output import emit_json
-from .localcluster import LocalCluster
+from .harness.cluster import LocalCluster
 from ..zoo import ZooConfig, hf_state_dict
 
 PRESETS = {

@@ -5,7 +5,7 @@ serves one TP2 zoo replica (2 consumer processes), all through the product's own
 sync is checked byte for byte by the consumers. Modes, each one step on the one before:
 
     v1  gather everything everywhere, tensor by tensor: every rank materialises EVERY tensor of the model with
-        one all-gather per Megatron tensor over the whole trainer world (``trainer_ranks.GatherEverywhere``);
+        one all-gather per Megatron tensor over the whole trainer world (``harness.trainers.GatherEverywhere``);
         any rank may serve anything. lookahead 0, consumers pull group by group, producer after producer.
     v2  PP-local + EP-local gathers (``MegatronSource``: TP-only collectives, one per group), lookahead 0, serial
     v3  v2 + pipelined gathers (lookahead 1: gather group g+1 while g is pulled), serial pulls
@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from .localcluster import LocalCluster
+from .harness.cluster import LocalCluster
 from .output import emit_json
 from ..zoo import ZooConfig
 

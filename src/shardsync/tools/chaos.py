@@ -1,6 +1,6 @@
 """``shardsync chaos``: random real faults while syncs go on, every sync checked byte for byte.
 
-Producers (PP shares) and zoo consumers (``replicas × tp``) run as real processes (``localcluster``).
+Producers (PP shares) and zoo consumers (``replicas × tp``) run as real processes (``harness.cluster``).
 Before each sync one fault is drawn:
 
 =====================  ================================================================================
@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .localcluster import LocalCluster
+from .harness.cluster import LocalCluster
 from .output import emit_json
 from ..zoo import ZooConfig
 
@@ -231,11 +231,11 @@ def _score(t: _Tally, r: dict, kind: str, victim: Any, t_fault: float | None, cl
             continue
         t.lost_bytes += p.get("held_bytes", 0)
         if kind in CONSUMER_KINDS and "dropped_at" in p and victim in p["dropped_at"]:
-            t0 = t_fault if t_fault is not None else cl.inbox.died.get(victim)
+            t0 = t_fault if t_fault is not None else cl.died_at(victim)
             if t0 is not None:
                 t.detect.append(p["dropped_at"][victim] - t0)
     if kind == "producer_kill":
-        t0 = cl.inbox.died.get(victim)
+        t0 = cl.died_at(victim)
         errs = [c.get("t") for c in r["consumers"] if c.get("t")]
         if t0 is not None and errs:
             t.detect.append(max(errs) - t0)

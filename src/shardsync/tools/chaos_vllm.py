@@ -27,8 +27,8 @@ import threading
 import time
 from typing import Any
 
-from .hosted import Hosted, HostedDied
-from .localcluster import LocalCluster
+from .harness.cluster import LocalCluster
+from .harness.hosts import Hosted, HostedDied
 from .output import emit_json
 
 KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill")

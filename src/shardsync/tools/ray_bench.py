@@ -20,7 +20,7 @@ def run_ray_bench(*, model: str = "qwen3-moe-bench", replicas: int = 2, tp: int 
                   transports: tuple[str, ...] = ("tcp", "nixl", "rdt"), as_json: bool = False) -> dict[str, Any]:
     import ray
 
-    from .ray_actors import TrainerRank, ZooEngine, close_actors
+    from .harness.ray_actors import TrainerRank, ZooEngine, close_actors
 
     cfg = asdict(PRESETS[model])
     spec = {"kind": "zoo", "cfg": cfg}

@@ -25,13 +25,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .hosted import Hosted, HostedDied, HostedError
+from .harness.hosts import HostedDied, host_factory, results
 from .output import emit_json, json_mode
 from .rl_task import Task, make_batch, make_prompts, rewards
 
 __all__ = ["DemoConfig", "run_rl_demo"]
 
-WORKERS = "shardsync.tools.rl_workers"
+POLICY = "shardsync.tools.harness.fsdp_trainer:PolicyRank"
 ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
@@ -60,18 +60,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _results(calls: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Every call's result, or its exception (HostedDied / HostedError / TimeoutError)."""
-    out: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout
-    for k, c in calls.items():
-        try:
-            out[k] = c.result(max(1.0, deadline - time.monotonic()))
-        except (HostedDied, HostedError, TimeoutError) as e:
-            out[k] = e
-    return out
-
-
 def _raise_any(res: dict[str, Any], what: str) -> dict[str, Any]:
     bad = {k: v for k, v in res.items() if isinstance(v, BaseException)}
     if bad:
@@ -83,7 +71,7 @@ class _Loop:
     def __init__(self, cfg: DemoConfig, work: str):
         self.cfg, self.work = cfg, work
         self.token = secrets.token_hex(8)
-        self.host = _host_factory(cfg)
+        self.host = host_factory(cfg.use_ray)
         self.ranks: list[Any] = []
         self.engines: dict[str, Any] = {}
         self.booting: dict[str, Any] = {}
@@ -96,7 +84,7 @@ class _Loop:
     def start(self, progress: Any) -> None:
         cfg, port = self.cfg, _free_port()
         task = progress.add_task("trainer ranks (FSDP2, gloo)", total=None)
-        self.ranks = [self.host(f"rank{r}", f"{WORKERS}:PolicyRank",
+        self.ranks = [self.host(f"rank{r}", POLICY,
                                 dict(rank=r, world=cfg.trainer_ranks, port=port, work=self.work,
                                      vocab=cfg.task.vocab, lr=cfg.lr, seed=cfg.seed)) for r in range(cfg.trainer_ranks)]
         for r in self.ranks:
@@ -120,7 +108,7 @@ class _Loop:
             progress.update(etask, completed=len(self.engines))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines {sorted(self.booting)} not up within 900 s")
-        _raise_any(_results(inits, 300), "producer init")
+        _raise_any(results(inits, 300), "producer init")
         progress.update(task, completed=1, total=1)
 
     def _boot(self, name: str) -> None:
@@ -153,7 +141,7 @@ class _Loop:
         calls = {n: self.engines[n].call("generate", [prompts[j] for j in idx], n=self.cfg.samples,
                                          max_tokens=self.cfg.task.answer_len, seed=seed * 1000 + min(idx, default=0))
                  for n, idx in shares.items() if idx}
-        res = _raise_any(_results(calls, self.cfg.timeout_s), "rollouts")
+        res = _raise_any(results(calls, self.cfg.timeout_s), "rollouts")
         answers: list[Any] = [None] * len(prompts)
         for n, idx in shares.items():
             for j, a in zip(idx, res.get(n, [])):
@@ -167,7 +155,7 @@ class _Loop:
     def sync(self, version: int) -> tuple[dict, dict]:
         calls = {f"rank{i}": r.call("sync", version) for i, r in enumerate(self.ranks)}
         calls.update({n: e.call("sync", version) for n, e in self.engines.items()})
-        res = _results(calls, self.cfg.timeout_s * 2)
+        res = results(calls, self.cfg.timeout_s * 2)
         prod = _raise_any({k: v for k, v in res.items() if k.startswith("rank")}, f"sync v{version} (trainer)")
         engines = {k: v for k, v in res.items() if not k.startswith("rank")}
         for n, v in engines.items():
@@ -176,10 +164,10 @@ class _Loop:
         return prod, engines
 
     def check(self, version: int) -> tuple[dict, dict]:
-        saved = _raise_any(_results({f"rank{i}": r.call("save", version) for i, r in enumerate(self.ranks)},
+        saved = _raise_any(results({f"rank{i}": r.call("save", version) for i, r in enumerate(self.ranks)},
                                     120), f"checkpoint v{version}")
         ckpt = saved["rank0"]["path"]
-        res = _results({n: e.call("check_fresh_load", ckpt) for n, e in self.engines.items()}, 300)
+        res = results({n: e.call("check_fresh_load", ckpt) for n, e in self.engines.items()}, 300)
         return saved, res
 
     def close(self) -> None:
@@ -192,17 +180,6 @@ class _Loop:
         if self.group is not None:
             from ..integrations.ray import forget
             forget(self.group)
-
-
-def _host_factory(cfg: DemoConfig):
-    if not cfg.use_ray:
-        return Hosted
-    import ray
-
-    from .ray_hosted import RayHosted
-    if not ray.is_initialized():  # the embedded default; an existing cluster: ray.init(address=...) first
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    return RayHosted
 
 
 def run_rl_demo(cfg: DemoConfig, *, as_json: bool = False) -> dict[str, Any]:
@@ -267,7 +244,7 @@ def _step(loop: _Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining
         rec["killed"] = victim
         rejoining[victim] = step
     batch = make_batch(prompts, answers, r, cfg.task)
-    losses = _raise_any(_results({f"rank{i}": h.call("train", batch) for i, h in enumerate(loop.ranks)}, 300),
+    losses = _raise_any(results({f"rank{i}": h.call("train", batch) for i, h in enumerate(loop.ranks)}, 300),
                         f"train step {step}")
     rec["loss"] = sum(losses.values()) / len(losses)
     if loop.booting and step > min(rejoining.values(), default=step):  # the restarted engine rejoins now

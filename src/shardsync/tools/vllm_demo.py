@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from .output import emit_json
-from .localcluster import LocalCluster
+from .harness.cluster import LocalCluster
 from ..integrations.vllm.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
 from .harness.vllm_engine import VllmReplicas, parallel
 

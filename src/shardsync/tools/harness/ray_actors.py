@@ -1,7 +1,8 @@
-"""Ray actors for tests and demos, syncing through ``integrations/ray``: trainer ranks (a PP share each, or
-everything when data-parallel; the weights of version v are the spec's, as in ``cluster_procs``), zoo engines
-(vLLM loader semantics) and real vLLM engines (an ``LLM`` inside the actor, pull mode); engines check themselves
-byte for byte (a vLLM engine against a FRESH engine started on the same weights)."""
+"""Ray actors for tests and benchmarks, syncing through ``integrations/ray``: the local cluster's children
+(``cluster_procs``) as actors that find their group by name — trainer ranks (a PP share each, or everything when
+data-parallel) and zoo engines (vLLM loader semantics) — and the harness's real vLLM engine (an ``LLM`` inside the
+actor, pull mode); engines check themselves byte for byte (a vLLM engine against a FRESH engine started on the
+same weights). Also the rdt transport's contract pair (``RdtBuffer``, ``RdtReader``)."""
 
 from __future__ import annotations
 
@@ -10,71 +11,43 @@ from typing import Any
 import ray
 import torch
 
-from ..errors import TransportError
-from ..integrations.ray import start_consumer, start_producer
-from ..transport import make_transport
-from ..transport.rdt import RdtServing
-from ..zoo import ZooConfig, hf_state_dict
-from .cluster_procs import VersionedSource
-from .harness import vllm_engine as harness_vllm
-from .harness.consumers import ZooConsumer
+from ...errors import TransportError
+from ...transport import make_transport
+from ...transport.rdt import RdtServing
+from . import vllm_engine
+from .cluster_procs import ConsumerProc, TrainerProc
+
+__all__ = ["TrainerRank", "ZooEngine", "VllmEngine", "RdtBuffer", "RdtReader", "close_actors"]
 
 
 @ray.remote(num_cpus=0, enable_tensor_transport=True, max_concurrency=4)  # rdt reads run while sync() does
-class TrainerRank(RdtServing):
+class TrainerRank(RdtServing, TrainerProc):
     def __init__(self, spec: dict, rank: int, n: int, *, group: str, n_consumers: int, replicated: bool = False,
                  **pcfg: Any):
-        torch.set_num_threads(1)
-        self.source = VersionedSource.make(spec, rank, n, replicated=replicated)
-        self.producer = start_producer(self.source, group=group, rank=rank, n_producers=n, n_consumers=n_consumers,
-                                       **pcfg)
+        super().__init__(spec, rank, n, dict(pcfg, n_consumers=n_consumers), replicated=replicated, group=group)
 
     def init(self) -> bool:
-        self.producer.init()
+        super().init()
         return True
 
-    def sync(self, version: int) -> dict[str, Any]:
-        self.source.set_version(version)
-        r = self.producer.sync(version)
-        return {k: r[k] for k in ("bytes_sent", "completed", "dropped", "seconds")}
-
-    def close(self) -> None:
-        self.producer.close()
+    def sync(self, version: int, fault: dict | None = None) -> dict[str, Any]:
+        """The training step (new weights), then this rank serves ``version``."""
+        self.prepare(version)
+        return super().sync(version, fault)
 
 
 @ray.remote(num_cpus=0)
-class ZooEngine:
+class ZooEngine(ConsumerProc):
     def __init__(self, consumer_id: str, cfg: dict, tp: int, tp_rank: int, *, group: str, **ckw: Any):
-        torch.set_num_threads(1)
-        self.zc = ZooConfig(**cfg)
-        self.zoo = ZooConsumer(self.zc, consumer_id, tp=tp, tp_rank=tp_rank)
-        self.consumer = start_consumer(consumer_id, group=group, record=self.zoo.record, apply=self.zoo.apply, **ckw)
+        super().__init__(consumer_id, cfg, tp, tp_rank, group=group, ccfg=ckw)
 
     def init(self) -> bool:
-        self.consumer.init()
+        super().init()
         return True
-
-    def sync(self, version: int) -> dict[str, Any]:
-        try:
-            r = self.consumer.sync(version)
-            return {"ok": True, "version": version, "bytes_received": r["bytes_received"],
-                    "pulled_from": r["pulled_from"]}
-        except Exception as e:
-            return {"ok": False, "error": f"{type(e).__name__}: {e}", "torn": self.consumer.torn}
-
-    def check(self) -> dict[str, Any]:
-        """The weights this engine holds vs a fresh load of the version it reports."""
-        v = self.consumer.version
-        if v == 0 or self.consumer.torn:
-            return {"version": v, "torn": self.consumer.torn, "mismatched": None}
-        return {"version": v, "torn": False, "mismatched": self.zoo.mismatched(hf_state_dict(self.zc, seed=v))}
-
-    def close(self) -> None:
-        self.consumer.close()
 
 
 @ray.remote(num_cpus=0)
-class VllmEngine(harness_vllm.VllmEngine):
+class VllmEngine(vllm_engine.VllmEngine):
     """One real vLLM engine (TP ``tp``, its own executor inside this actor: vLLM's Ray executor does not run on CPU)
     whose workers pull from the group's producers."""
 
@@ -87,7 +60,7 @@ class VllmEngine(harness_vllm.VllmEngine):
 
     def check(self, version: int) -> dict[str, Any]:
         """Equal to a FRESH engine started on the trainer's weights of ``version``?"""
-        from ..integrations.vllm.checkpoints import load_checkpoint, perturb
+        from ...integrations.vllm.checkpoints import load_checkpoint, perturb
 
         exact, bad, n = self.check_against_fresh(perturb(load_checkpoint(self.model_dir), version))
         return {"exact": exact, "mismatched": bad[:5], "compared": n}
@@ -96,7 +69,7 @@ class VllmEngine(harness_vllm.VllmEngine):
 def close_actors(actors: list, group: str, *, timeout_s: float = 10.0, kill: bool = False) -> None:
     """Close each actor's producer or consumer (bounded: a dead actor is skipped), optionally kill it, and forget
     the group's registry entry."""
-    from ..integrations.ray import forget
+    from ...integrations.ray import forget
 
     for a in actors:
         try:
