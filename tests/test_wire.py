@@ -24,7 +24,7 @@ from shardsync.engine.producer import Producer, ProducerConfig
 from shardsync.engine.wire import handshake_client
 from shardsync.errors import AuthError, ChecksumError, PlanError, ShardsyncError, SyncError, TransportError
 from shardsync.source import ModuleSource
-from shardsync.tools.chaos import FORGES, forged_plan
+from shardsync.tools.harness.attacks import FORGES, forged_plan
 from shardsync.tools.harness.consumers import ZooConsumer
 from shardsync.transport.tcp import TcpTransport
 from shardsync.zoo import ZooConfig, hf_state_dict

@@ -146,22 +146,9 @@ def _run(args: argparse.Namespace) -> int:
                           transport=args.transport, syncs=args.syncs, as_json=args.json)
         return 0 if r["exact"] else 1
     if args.cmd == "chaos":
-        if args.vllm:
-            from .tools.chaos_vllm import run_chaos_vllm
+        from .tools.chaos import run
 
-            r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
-            return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] else 0
-        from .tools.chaos import KINDS, run_chaos
-
-        kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
-        unknown = set(kinds) - set(KINDS)
-        if unknown:
-            print(f"shardsync chaos: unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}", file=sys.stderr)
-            return 2
-        r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
-        bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
-            r["unexpected_failures"] or r["lost_bytes"]
-        return 1 if bad else 0
+        return run(args)
     if args.cmd == "simulate":
         from .tools.sim import run_simulate
 

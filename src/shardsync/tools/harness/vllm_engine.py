@@ -28,7 +28,7 @@ from typing import Any, Callable
 from ...integrations.vllm.reference import (PROMPT, compare_with, cpu_env, engine_kwargs, fresh_reference,
                                             generate, inspect_engine, shutdown)
 
-__all__ = ["VllmEngine", "VllmReplicas", "parallel", "check_against_fresh"]
+__all__ = ["VllmEngine", "VllmReplicas", "FreshReferences", "parallel", "check_against_fresh"]
 
 
 def parallel(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -191,6 +191,31 @@ def check_against_fresh(engines: list[VllmEngine], state: dict, *, tag: str = ""
         return not bad and total > 0, bad, total
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+class FreshReferences:
+    """FRESH engines started on ``checkpoint`` perturbed by each version (the trainer's weights of that version, as
+    the local cluster's checkpoint trainers hold them): one per version, started on first use and kept."""
+
+    def __init__(self, checkpoint: str, work: str, *, tp: int = 1):
+        from ...integrations.vllm.checkpoints import load_checkpoint
+
+        self.checkpoint, self.work, self.tp = checkpoint, work, tp
+        self.base = load_checkpoint(checkpoint)
+        self.refs: dict[int, Any] = {}
+
+    def compare(self, version: int, state: dict[str, Any]) -> tuple[int, list[str]]:
+        """An engine's :meth:`VllmEngine.inspect` against the fresh engine of ``version``: (compared, differences)."""
+        from ...integrations.vllm.checkpoints import perturb
+
+        if version not in self.refs:
+            self.refs[version] = fresh_reference(self.checkpoint, perturb(self.base, version), tp=self.tp, ep=False,
+                                                 out_dir=os.path.join(self.work, f"fresh-v{version}"))
+        ref = self.refs[version]
+        n, bad = compare_with(state["paths"], ref.paths)
+        if state["tokens"] != ref.tokens:
+            bad.append(f"greedy tokens {state['tokens']} != fresh engine's {ref.tokens}")
+        return n, bad
 
 
 class VllmReplicas:
