@@ -107,23 +107,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.cmd == "demo" and not args.sync_only:
-        from .tools.rl_demo import DemoConfig, run_rl_demo
-
-        rep = run_rl_demo(DemoConfig(steps=args.steps, prompts=args.prompts, samples=args.samples,
-                                     replicas=args.replicas, lr=args.lr, seed=args.seed,
-                                     kill_engine_at=args.kill_engine_at, use_ray=args.ray, out=args.out),
-                          as_json=args.json)
-        return 0 if rep["all_exact"] and (args.kill_engine_at is None or rep["rejoined"]) else 1
     if args.cmd == "demo":
-        if args.consumers == "zoo":
-            from .tools.demo import run_zoo_demo
+        from .tools.demo import run
 
-            return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
-        from .tools.vllm_demo import run_vllm_demo
-
-        return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
-                                  transport=args.transport, as_json=args.json) else 1
+        return run(args)
     if args.cmd == "bench":
         from .tools.bench import run_bench, run_bench_vllm
 
@@ -150,17 +137,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return run(args)
     if args.cmd == "simulate":
-        from .tools.sim import run_simulate
+        from .tools.simulate import run
 
-        try:
-            run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,
-                         replicas=args.replicas, trainer_nodes=args.trainer_nodes, gpus_per_node=args.gpus_per_node,
-                         nic_gbps=args.nic_gbps, nvlink_gbps=args.nvlink_gbps, as_json=args.json,
-                         record=args.record, colocate=args.colocate)
-        except ValueError as e:
-            print(f"shardsync simulate: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return run(args)
     return 2
 
 

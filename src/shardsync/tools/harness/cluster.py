@@ -19,13 +19,12 @@ watches every child).
 from __future__ import annotations
 
 import secrets
-import socket
 import time
 from dataclasses import asdict
 from typing import Any
 
 from ...zoo import ZooConfig
-from .hosts import Hosted, HostedDied, HostedError, results
+from .hosts import Hosted, HostedDied, HostedError, free_port, results
 
 __all__ = ["LocalCluster"]
 PROCS = "shardsync.tools.harness.cluster_procs"
@@ -58,9 +57,7 @@ class LocalCluster:
                          check_spec=self.spec, **(consumer_extra or {}))
         self.bl = None
         if baseline:
-            with socket.socket() as sk:
-                sk.bind(("127.0.0.1", 0))
-                self.bl = {"port": sk.getsockname()[1], "world": producers + n_cons, "producers": producers}
+            self.bl = {"port": free_port(), "world": producers + n_cons, "producers": producers}
         self.inits: dict[Any, Any] = {}  # pending init calls, collected by wait_ready()
         self.coordinator: list | None = None
         self.coordinator = self._start_producers([0])[0]

@@ -215,7 +215,7 @@ class PolicyRank:
                  threads: int = 1):
         import torch.distributed as dist
 
-        from ..rl_task import grpo_loss
+        from ..rl.task import grpo_loss
 
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -242,7 +242,7 @@ class PolicyRank:
         self.producer.init()
 
     def train(self, batch: dict) -> float:
-        from ..rl_task import split_batch
+        from ..rl.task import split_batch
 
         return self.trainer.step(split_batch(batch, self.rank, self.world))
 

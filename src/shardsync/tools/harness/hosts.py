@@ -22,13 +22,14 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Mapping, TypeVar
 
-__all__ = ["Hosted", "RayHosted", "HostedError", "HostedDied", "Call", "results", "host_factory"]
+__all__ = ["Hosted", "RayHosted", "HostedError", "HostedDied", "Call", "results", "host_factory", "free_port"]
 
 _CTX = mp.get_context("spawn")
 K = TypeVar("K")
@@ -282,6 +283,13 @@ class RayHosted:
             except Exception:
                 pass
         self.kill()
+
+
+def free_port() -> int:
+    """A free TCP port on this host (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def host_factory(use_ray: bool) -> type:

@@ -17,18 +17,19 @@ actor). ``VllmReplicas`` drives several engines of this process at once. Hosted 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ...integrations.vllm.reference import (PROMPT, compare_with, cpu_env, engine_kwargs, fresh_reference,
                                             generate, inspect_engine, shutdown)
 
-__all__ = ["VllmEngine", "VllmReplicas", "FreshReferences", "parallel", "check_against_fresh"]
+__all__ = ["VllmEngine", "VllmReplicas", "FreshReferences", "parallel", "check_against_fresh", "vllm_cluster"]
 
 
 def parallel(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -248,3 +249,29 @@ class VllmReplicas:
         for e in self.engines:
             e.close()
         self.engines.clear()
+
+
+@contextlib.contextmanager
+def vllm_cluster(checkpoint: str, *, producers: int, replicas: int, tp: int, transport: str = "tcp",
+                 timeout_s: float = 300.0) -> Iterator[tuple[Any, VllmReplicas]]:
+    """Producer processes (the local cluster: PP shares of ``checkpoint``, perturbed by each version) serving
+    ``replicas`` engines of TP ``tp`` in this process, every worker's plan registered: ``(cluster, replicas)``.
+
+        with vllm_cluster(ckpt, producers=2, replicas=2, tp=2) as (cluster, reps):
+            parallel([lambda: cluster.sync(1), lambda: reps.sync(1)])
+    """
+    from .cluster import LocalCluster
+
+    cluster = LocalCluster(None, producers=producers, spec={"kind": "checkpoint", "path": checkpoint},
+                           external_consumers=replicas * tp, transport=transport, timeout_s=timeout_s)
+    try:
+        reps = VllmReplicas(checkpoint, replicas=replicas, tp=tp, coordinator=cluster.coordinator,
+                            token=cluster.token, transport=transport, timeout_s=timeout_s)
+        try:
+            reps.init()
+            cluster.wait_ready()
+            yield cluster, reps
+        finally:
+            reps.close()
+    finally:
+        cluster.close()
