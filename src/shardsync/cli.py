@@ -112,26 +112,9 @@ def _run(args: argparse.Namespace) -> int:
 
         return run(args)
     if args.cmd == "bench":
-        from .tools.bench import run_bench, run_bench_vllm
+        from .tools.bench import run
 
-        if args.ray:
-            from .tools.ray_bench import run_ray_bench
-
-            r = run_ray_bench(model=args.model, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
-                              as_json=args.json)
-            return 0 if r["exact"] else 1
-        if args.mode:
-            from .tools.bench_modes import run_bench_modes
-
-            r = run_bench_modes(args.mode, syncs=args.syncs, transport=args.transport, as_json=args.json)
-            return 0 if all(x["exact"] for x in r["modes"].values()) else 1
-        if args.consumers == "vllm":
-            r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp,
-                               transport=args.transport, syncs=args.syncs, as_json=args.json)
-        else:
-            r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
-                          transport=args.transport, syncs=args.syncs, as_json=args.json)
-        return 0 if r["exact"] else 1
+        return run(args)
     if args.cmd == "chaos":
         from .tools.chaos import run
 

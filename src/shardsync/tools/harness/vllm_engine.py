@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterator
 from ...integrations.vllm.reference import (PROMPT, compare_with, cpu_env, engine_kwargs, fresh_reference,
                                             generate, inspect_engine, shutdown)
 
-__all__ = ["VllmEngine", "VllmReplicas", "FreshReferences", "parallel", "check_against_fresh", "vllm_cluster"]
+__all__ = ["VllmEngine", "VllmReplicas", "FreshReferences", "parallel", "check_against_fresh", "vllm_cluster",
+           "full_update"]
 
 
 def parallel(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -217,6 +218,18 @@ class FreshReferences:
         if state["tokens"] != ref.tokens:
             bad.append(f"greedy tokens {state['tokens']} != fresh engine's {ref.tokens}")
         return n, bad
+
+
+def full_update(version: int, state: dict) -> dict[str, Any]:
+    """The baseline's update payload: every full tensor of ``state`` (to every worker, through ``update_weights``
+    and vLLM's own loaders, as RPC/broadcast-based syncs do); pass it as ``op`` to :meth:`VllmReplicas.sync`."""
+    import torch
+
+    from ...types import dtype_name
+
+    return {"op": "full", "version": version,
+            "tensors": [[n, dtype_name(t.dtype), list(t.shape),
+                         t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()] for n, t in state.items()]}
 
 
 class VllmReplicas:
