@@ -8,6 +8,7 @@ from shardsync.engine.loopback import loopback_sync
 from shardsync.plan.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
 from shardsync.source import ModuleSource
 from shardsync.tools.harness.consumers import ZooConsumer
+from shardsync.tools.harness.hosts import free_port  # noqa: F401 (re-exported for tests)
 from shardsync.zoo import ZooConfig
 
 
@@ -28,14 +29,6 @@ def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int 
     consumers = [z.local(src.metadata()) for z in zoos]
     report = loopback_sync(src, consumers)
     return [z.mismatched(sd) for z in zoos], report, [c.plan for c in consumers]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_rank_scripts(script: str, world: int, out, timeout_s: float, what: str) -> list[dict]:
