@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.engine.loopback import LocalConsumer, loopback_sync
-from shardsync.plan.record import record_plan
-from shardsync.source import ModuleSource
-from shardsync.zoo import ZooConfig, ZooModel
-
-
+from shardsync.engine.loopback import loopback_sync
 from shardsync.plan.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
+from shardsync.source import ModuleSource
+from shardsync.tools.harness.consumers import ZooConsumer
+from shardsync.tools.harness.hosts import free_port  # noqa: F401 (re-exported for tests)
+from shardsync.zoo import ZooConfig
 
 
 def garbage(model: torch.nn.Module) -> None:
@@ -24,28 +23,12 @@ def zoo_roundtrip(cfg: ZooConfig, sd: dict[str, torch.Tensor], tp: int, ep: int 
     """Record plans for every rank, sync through loopback into fresh models, return
     (mismatched names per rank, report, plans)."""
     src = ModuleSource(sd)
-    refs, lives, consumers, plans = [], [], [], []
-    for r in range(tp):
-        kw = dict(tp_size=tp, tp_rank=r, ep_size=ep, ep_rank=r % ep)
-        ref = ZooModel(cfg, **kw)
-        ref.load_weights(sd.items())
-        dry, live = ZooModel(cfg, **kw), ZooModel(cfg, **kw)
-        garbage(live)  # the sync must write every byte the loader writes, padding included
-        plan = record_plan(metadata=src.metadata(), load_weights=dry.load_weights,
-                           params=dict(dry.named_parameters()), consumer=f"tp{r}", rank=r)
-        consumers.append(LocalConsumer(plan, dict(live.named_parameters())))
-        refs.append(ref), lives.append(live), plans.append(plan)
+    zoos = [ZooConsumer(cfg, f"tp{r}", tp=tp, tp_rank=r, ep=ep, ep_rank=r % ep) for r in range(tp)]
+    for z in zoos:
+        garbage(z.live)  # the sync must write every byte the loader writes, padding included
+    consumers = [z.local(src.metadata()) for z in zoos]
     report = loopback_sync(src, consumers)
-    bad = [mismatched(ref.state_dict(), live.state_dict()) for ref, live in zip(refs, lives)]
-    return bad, report, plans
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return [z.mismatched(sd) for z in zoos], report, [c.plan for c in consumers]
 
 
 def run_rank_scripts(script: str, world: int, out, timeout_s: float, what: str) -> list[dict]:

@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from shardsync.tools.hosted import Hosted, HostedDied, HostedError
-from shardsync.tools.rl_task import Task, advantages, grpo_loss, make_batch, make_prompts, rewards, score, split_batch
+from shardsync.tools.harness.hosts import Hosted, HostedDied, HostedError
+from shardsync.tools.rl.task import Task, advantages, grpo_loss, make_batch, make_prompts, rewards, score, split_batch
 
 
 # ---------------------------------------------------------------- the task (pure)

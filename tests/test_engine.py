@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shardsync.errors import MetadataMismatch
-from shardsync.tools.localcluster import LocalCluster, pp_share
+from shardsync.tools.harness.cluster import LocalCluster
+from shardsync.tools.harness.trainers import pp_share
 from shardsync.plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
-from shardsync.tools.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
+from shardsync.tools.harness.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
 from shardsync.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))

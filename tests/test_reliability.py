@@ -13,7 +13,7 @@ import time
 import pytest
 
 from shardsync.tools.chaos import run_chaos
-from shardsync.tools.localcluster import LocalCluster
+from shardsync.tools.harness.cluster import LocalCluster
 from shardsync.zoo import ZooConfig
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=3)
@@ -63,7 +63,7 @@ def test_dead_or_paused_consumer_is_dropped_survivor_exact_rejoiner_exact(fault:
             dropped = [p["dropped"] for p in r["producers"] if victim in p.get("dropped", {})]
             assert dropped, r["producers"]  # the result names who was dropped, and why
             assert all("lease expired" in d[victim] for d in dropped), dropped
-            t0 = t_fault if t_fault is not None else cl.inbox.died[victim]
+            t0 = t_fault if t_fault is not None else cl.died_at(victim)
             detect = max(p["dropped_at"][victim] for p in r["producers"] if victim in p["dropped_at"]) - t0
             assert 0 < detect < BOUND, detect
             assert all(p["held_bytes"] == 0 for p in r["producers"]), r["producers"]

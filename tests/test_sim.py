@@ -17,7 +17,7 @@ from helpers import garbage, mismatched
 from shardsync.plan.coverage import check_coverage
 from shardsync.engine.loopback import LocalConsumer, loopback_sync
 from shardsync.plan.record import record_plan
-from shardsync.tools.sim import calibrate_cpu, pipeline_time, run_simulate
+from shardsync.tools.simulate import calibrate_cpu, pipeline_time, run_simulate
 from shardsync.tools.sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
 from shardsync.source import ModuleSource
 from shardsync.zoo import ZooConfig

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from shardsync.sources.megatron_layout import MegatronConfig, MegatronParallel, held_hf_names
-from shardsync.tools.trainer_ranks import megatron_coords
-from shardsync.tools.localcluster import LocalCluster
+from shardsync.tools.harness.trainers import megatron_coords
+from shardsync.tools.harness.cluster import LocalCluster
 from shardsync.types import itemsize
 from shardsync.zoo import ZooConfig, hf_shapes
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardsync.tools.chaos_vllm import run_chaos_vllm
+from shardsync.tools.chaos import run_chaos_vllm
 
 
 @pytest.mark.vllm

@@ -24,13 +24,11 @@ from shardsync.engine.control import ControlClient
 from shardsync.engine.producer import Producer, ProducerConfig
 from shardsync.engine.wire import handshake_client
 from shardsync.errors import AuthError, ChecksumError, PlanError, ShardsyncError, SyncError, TransportError
-from shardsync.plan.pack import GroupUnpacker, layout_group
-from shardsync.plan.record import record_plan
-from shardsync.plan.validate import mismatched
 from shardsync.source import ModuleSource
-from shardsync.tools.chaos import FORGES, forged_plan
+from shardsync.tools.harness.attacks import FORGES, forged_plan
+from shardsync.tools.harness.consumers import ZooConsumer
 from shardsync.transport.tcp import TcpTransport
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.zoo import ZooConfig, hf_state_dict
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=2)
 TOKEN = "t0ken"
@@ -58,32 +56,15 @@ def _catch(fn, err: list) -> None:
         err.append(e)
 
 
-class _Zoo:
-    """One zoo consumer: its live model, and a Consumer that writes into it."""
+class _Zoo(ZooConsumer):
+    """One zoo consumer (its live model) and a Consumer that writes into it."""
 
     def __init__(self, addr: list, cid: str, tp: int = 1, rank: int = 0, record=None, **kw: Any):
-        self.live = ZooModel(CFG, tp_size=tp, tp_rank=rank)
-        self.tp, self.rank = tp, rank
-        params = dict(self.live.named_parameters())
-        unpackers: dict = {}
-
-        def rec(metas):
-            dry = ZooModel(CFG, tp_size=tp, tp_rank=rank)
-            return record_plan(metadata=metas, load_weights=dry.load_weights, params=dict(dry.named_parameters()),
-                               consumer=cid, rank=rank)
-
-        def apply(group: str, buf: torch.Tensor) -> None:
-            if group not in unpackers:
-                g = self.c.plan.group(group)
-                unpackers[group] = GroupUnpacker(g, layout_group(g))
-            unpackers[group].unpack(buf, params)
-
-        self.c = Consumer(cid, addr, token=TOKEN, record=record or rec, apply=apply, timeout_s=10.0, **kw)
+        super().__init__(CFG, cid, tp=tp, tp_rank=rank)
+        self.c = Consumer(cid, addr, token=TOKEN, record=record or self.record, apply=self.apply, timeout_s=10.0, **kw)
 
     def exact(self, v: int) -> bool:
-        ref = ZooModel(CFG, tp_size=self.tp, tp_rank=self.rank)
-        ref.load_weights(hf_state_dict(CFG, seed=v).items())
-        return not mismatched(self.live.state_dict(), ref.state_dict())
+        return not self.mismatched(hf_state_dict(CFG, seed=v))
 
 
 def _start(zoos: list[_Zoo]) -> list:

@@ -107,73 +107,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.cmd == "demo" and not args.sync_only:
-        from .tools.rl_demo import DemoConfig, run_rl_demo
-
-        rep = run_rl_demo(DemoConfig(steps=args.steps, prompts=args.prompts, samples=args.samples,
-                                     replicas=args.replicas, lr=args.lr, seed=args.seed,
-                                     kill_engine_at=args.kill_engine_at, use_ray=args.ray, out=args.out),
-                          as_json=args.json)
-        return 0 if rep["all_exact"] and (args.kill_engine_at is None or rep["rejoined"]) else 1
     if args.cmd == "demo":
-        if args.consumers == "zoo":
-            from .tools.demo import run_zoo_demo
+        from .tools.demo import run
 
-            return 0 if run_zoo_demo(tp=args.tp, syncs=args.syncs, as_json=args.json) else 1
-        from .tools.vllm_demo import run_vllm_demo
-
-        return 0 if run_vllm_demo(producers=args.producers, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
-                                  transport=args.transport, as_json=args.json) else 1
+        return run(args)
     if args.cmd == "bench":
-        from .tools.bench import run_bench, run_bench_vllm
+        from .tools.bench import run
 
-        if args.ray:
-            from .tools.ray_bench import run_ray_bench
-
-            r = run_ray_bench(model=args.model, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
-                              as_json=args.json)
-            return 0 if r["exact"] else 1
-        if args.mode:
-            from .tools.bench_modes import run_bench_modes
-
-            r = run_bench_modes(args.mode, syncs=args.syncs, transport=args.transport, as_json=args.json)
-            return 0 if all(x["exact"] for x in r["modes"].values()) else 1
-        if args.consumers == "vllm":
-            r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp,
-                               transport=args.transport, syncs=args.syncs, as_json=args.json)
-        else:
-            r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
-                          transport=args.transport, syncs=args.syncs, as_json=args.json)
-        return 0 if r["exact"] else 1
+        return run(args)
     if args.cmd == "chaos":
-        if args.vllm:
-            from .tools.chaos_vllm import run_chaos_vllm
+        from .tools.chaos import run
 
-            r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
-            return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] else 0
-        from .tools.chaos import KINDS, run_chaos
-
-        kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
-        unknown = set(kinds) - set(KINDS)
-        if unknown:
-            print(f"shardsync chaos: unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}", file=sys.stderr)
-            return 2
-        r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
-        bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
-            r["unexpected_failures"] or r["lost_bytes"]
-        return 1 if bad else 0
+        return run(args)
     if args.cmd == "simulate":
-        from .tools.sim import run_simulate
+        from .tools.simulate import run
 
-        try:
-            run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,
-                         replicas=args.replicas, trainer_nodes=args.trainer_nodes, gpus_per_node=args.gpus_per_node,
-                         nic_gbps=args.nic_gbps, nvlink_gbps=args.nvlink_gbps, as_json=args.json,
-                         record=args.record, colocate=args.colocate)
-        except ValueError as e:
-            print(f"shardsync simulate: {e}", file=sys.stderr)
-            return 2
-        return 0
+        return run(args)
     return 2
 
 

@@ -1,6 +1,6 @@
 """``shardsync chaos``: random real faults while syncs go on, every sync checked byte for byte.
 
-Producers (PP shares) and zoo consumers (``replicas × tp``) run as real processes (``localcluster``).
+Producers (PP shares) and zoo consumers (``replicas × tp``) run as real processes (``harness.cluster``).
 Before each sync one fault is drawn:
 
 =====================  ================================================================================
@@ -22,96 +22,46 @@ serve) and compares its bytes with the trainer's weights of that version. Counte
 consumer that completed a sync but holds other bytes), ``torn_served`` (one that is not torn by its own
 account but holds a mix), ``deadlocks`` (a sync that did not finish within its bounds), detection time
 of deaths, and rejoiners exact at their next sync.
+
+``--vllm`` (``run_chaos_vllm``): the same with REAL vLLM engines. Producer processes (PP shares of a tiny
+checkpoint) serve vLLM replicas (``harness.vllm_engine``), each hosted in a child process of its own process group
+(so a fault kills the whole engine: driver, engine core, workers — kill -9). Faults, drawn in turn:
+
+- ``engine_kill``: a replica is killed between syncs; the next sync completes on the survivor, exact;
+  the replica is then restarted under the same name, rejoins, and is exact at its next sync;
+- ``engine_kill_mid_sync``: a replica is killed while a sync is in flight (same checks);
+- ``producer_kill``: producer 1 dies mid-sync; every engine's update fails with ``ProducerLost``; an
+  engine that applied groups is torn and must refuse to generate; producer 1 is restarted and the next
+  sync heals every engine.
+
+After each sync every live engine either refuses to serve (torn, by its own account) or is compared
+with a FRESH engine started on the weights of the version it says it holds: every tensor after
+processing, probe outputs, greedy tokens.
 """
 
 from __future__ import annotations
 
+import os
 import random
-import socket
-import struct
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from typing import Any
 
-from .localcluster import LocalCluster
+from .harness.attacks import wire_attack
+from .harness.cluster import LocalCluster
+from .harness.hosts import Hosted, HostedDied
 from .output import emit_json
 from ..zoo import ZooConfig
 
 KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "forged_plan",
          "wrong_token", "oversized_frame")
-FORGES = ("unknown_op", "out_of_bounds", "huge")
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
-
-
-def wire_attack(kind: str, coordinator: list, token: str, metadata_cid: str = "attacker") -> str:
-    """One hostile peer against the coordinator; returns the typed refusal it got (raises if it was not refused)."""
-    from ..engine import messages as m
-    from ..engine.control import ControlClient
-    from ..engine.wire import handshake_client, recv_frame
-    from ..errors import AuthError, PlanError, TransportError
-
-    if kind == "wrong_token":
-        try:
-            ControlClient(coordinator, token + "x", peer="coordinator")
-        except AuthError as e:
-            return f"AuthError: {e}"
-        raise AssertionError("a wrong token was accepted")
-    if kind == "oversized_frame":
-        with socket.create_connection(tuple(coordinator), timeout=10) as s:
-            handshake_client(s, token, "coordinator")
-            s.sendall(struct.pack("!I", 0xFFFFFFFF))  # 4 GiB announced; no payload follows
-            try:
-                recv_frame(s, max_frame_bytes=1 << 20)
-            except (ConnectionError, OSError):
-                return "connection closed before any payload was read"
-        raise AssertionError("an oversized frame was answered")
-    if kind == "forged_plan":
-        refusals = []
-        for forge in FORGES:
-            c = ControlClient(coordinator, token, peer="coordinator")
-            try:
-                w = c.call(m.Hello(consumer=f"{metadata_cid}-{forge}"), timeout_s=30)
-                plan = forged_plan(w.metadata, f"{metadata_cid}-{forge}", forge)
-                c.call(m.RegisterPlan(consumer=plan.consumer, session=w.session, plan=plan.to_json()), timeout_s=30)
-            except PlanError as e:
-                refusals.append(f"PlanError: {e}")
-            except TransportError as e:
-                raise AssertionError(f"forged plan ({forge}) was not refused as a plan: {e}") from None
-            else:
-                raise AssertionError(f"a forged plan ({forge}) was accepted")
-            finally:
-                try:
-                    c.call(m.Goodbye(consumer=f"{metadata_cid}-{forge}", session=w.session), timeout_s=5)
-                except Exception:
-                    pass
-                c.close()
-        return " | ".join(refusals)
-    raise ValueError(kind)
-
-
-def forged_plan(metadata: list[dict], cid: str, forge: str):
-    """A sealed plan that passes the digest check but asks for a forbidden op or an out-of-bounds view."""
-    from ..types import GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, metadata_digest
-
-    metas = [ParamMeta.from_dict(d) for d in metadata]
-    src = metas[0]
-    n = 1
-    for d in src.shape:
-        n *= d
-    common = dict(src=src.name, src_dtype=src.dtype, dst="x", dst_byte_offset=0, dst_dtype=src.dtype)
-    if forge == "unknown_op":  # torch.save on the trainer, by name
-        s = Scatter(ops=(Op(name="save", fn=True),), view=None, shape=tuple(src.shape),
-                    dst_stride=(), **common)
-    elif forge == "out_of_bounds":  # a view that starts where the tensor ends
-        s = Scatter(ops=(), view=StridedView(offset=n, shape=(n,), stride=(1,)), shape=(n,), dst_stride=(1,),
-                    **common)
-    else:  # huge: an in-bounds stride-0 view of 2^40 elements (terabytes of ring if it were believed)
-        s = Scatter(ops=(), view=StridedView(offset=0, shape=(1 << 40,), stride=(0,)), shape=(1 << 40,),
-                    dst_stride=(1,), **common)
-    g = GroupPlan(name="pre", scatters=(s,), nbytes=0, sources=(src.name,))
-    return Plan(consumer=cid, meta_digest=metadata_digest(metas), groups=(g,), unneeded=()).sealed()
+VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill")
+ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
 class _Tally:
@@ -232,11 +182,11 @@ def _score(t: _Tally, r: dict, kind: str, victim: Any, t_fault: float | None, cl
             continue
         t.lost_bytes += p.get("held_bytes", 0)
         if kind in CONSUMER_KINDS and "dropped_at" in p and victim in p["dropped_at"]:
-            t0 = t_fault if t_fault is not None else cl.inbox.died.get(victim)
+            t0 = t_fault if t_fault is not None else cl.died_at(victim)
             if t0 is not None:
                 t.detect.append(p["dropped_at"][victim] - t0)
     if kind == "producer_kill":
-        t0 = cl.inbox.died.get(victim)
+        t0 = cl.died_at(victim)
         errs = [c.get("t") for c in r["consumers"] if c.get("t")]
         if t0 is not None and errs:
             t.detect.append(max(errs) - t0)
@@ -254,3 +204,143 @@ def _print_table(out: dict, t: _Tally, as_json: bool) -> None:
         print("  " + n[:400], file=f)
     if as_json:
         emit_json(out)
+
+
+# ------------------------------------------------------------------ --vllm: real vLLM engines
+def _engine(name: str, ckpt: str, info: dict) -> Hosted:
+    """A replica: the harness's vLLM engine in a process (group) of its own, up and registered."""
+    h = Hosted(name, ENGINE, dict(model_dir=ckpt, name=name, **info))
+    h.ready(600)
+    return h
+
+
+def _answer(call: Any, timeout: float) -> Any:
+    """The call's result; None if the engine died before answering."""
+    try:
+        return call.result(timeout)
+    except HostedDied:
+        return None
+
+
+def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch: str = "qwen3",
+                   as_json: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    from ..integrations.vllm.testing.checkpoints import build_tiny_checkpoint
+    from .harness.vllm_engine import FreshReferences
+
+    rng = random.Random(seed)
+    work = workdir or tempfile.mkdtemp(prefix="shardsync-chaos-vllm-")
+    ckpt = build_tiny_checkpoint(arch, os.path.join(work, arch))
+    fresh = FreshReferences(ckpt, work)
+    t_start = time.monotonic()
+    cl = LocalCluster(None, producers=2, spec={"kind": "checkpoint", "path": ckpt}, external_consumers=2,
+                      lease_s=lease_s, timeout_s=120)
+    info = lambda n: {"coordinator": cl.coordinator, "token": cl.token,  # noqa: E731
+                      "plan_dir": os.path.join(work, n), "timeout_s": 120}
+    reps: dict[str, Hosted] = {}
+    tally: dict[str, Any] = {"faults": 0, "by_kind": {}, "syncs": 0, "syncs_completed": 0, "deadlocks": 0,
+                             "torn_served": 0, "mismatched": 0, "refused_torn": 0, "rejoined_exact": 0,
+                             "compared": 0, "notes": []}
+    rejoining: set[str] = set()
+    try:
+        booting = {n: Hosted(n, ENGINE, dict(model_dir=ckpt, name=n, **info(n))) for n in ("r0", "r1")}
+        reps.update(booting)  # closed in any case
+        for r in booting.values():
+            r.ready(600)
+        cl.wait_ready()
+        v, last_s = 0, 2.0
+        for i in range(kills + 1):
+            kind = VLLM_KINDS[i % len(VLLM_KINDS)] if i < kills else "final"
+            if kind != "final":
+                tally["faults"] += 1
+                tally["by_kind"][kind] = tally["by_kind"].get(kind, 0) + 1
+            v += 1
+            victim = rng.choice(sorted(reps))
+            faults: dict[Any, dict] = {}
+            if kind == "engine_kill":
+                reps[victim].kill()
+            elif kind == "engine_kill_mid_sync":  # within the span the last sync took
+                threading.Timer(rng.uniform(0.1, 0.6) * last_s, reps[victim].kill).start()
+            elif kind == "producer_kill":
+                faults = {1: {"die_after_groups": 1}}
+            live = [r for r in reps.values() if r.alive()]
+            t_sync = time.monotonic()
+            calls = {r.name: r.call("sync", v) for r in live}
+            try:
+                res = cl.sync(v, faults=faults, tolerate=True)
+                synced = {n: _answer(c, 300) for n, c in calls.items()}
+            except TimeoutError as e:
+                tally["deadlocks"] += 1
+                tally["notes"].append(f"v{v} {kind}: DEADLOCK {e}")
+                break
+            tally["syncs"] += 1
+            last_s = time.monotonic() - t_sync
+            ok = {n for n, s in synced.items() if s is not None and s["error"] is None}
+            if not res["failed"] and len(ok) == len(synced):
+                tally["syncs_completed"] += 1
+            _check_engines(tally, v, kind, reps, fresh, work, rejoining, ok)
+            print(f"sync {v}: {kind:22s} victim {victim}: engines completed {sorted(ok)}; producers failed "
+                  f"{sorted(res['failed'])}", file=sys.stderr)
+            for n, r in list(reps.items()):  # restart what died, as a framework would
+                if not r.alive():
+                    r.kill()
+                    reps[n] = _engine(n, ckpt, info(n))
+                    rejoining.add(n)
+            if kind == "producer_kill":
+                cl.restart(1)
+    finally:
+        for r in reps.values():
+            r.close(30)
+        cl.close()
+        shutil.rmtree(work, ignore_errors=True) if workdir is None else None
+    out = {k: tally[k] for k in ("faults", "by_kind", "syncs", "syncs_completed", "deadlocks", "torn_served",
+                                 "mismatched", "refused_torn", "rejoined_exact", "compared")}
+    out["seconds"] = round(time.monotonic() - t_start, 1)
+    f = sys.stderr if as_json else sys.stdout
+    for k, val in out.items():
+        print(f"{k:18s} {val}", file=f)
+    for n in tally["notes"][-10:]:
+        print("  " + n[:400], file=f)
+    if as_json:
+        emit_json(out)
+    return out
+
+
+def _check_engines(tally: dict, v: int, kind: str, reps: dict[str, Hosted], fresh: Any, work: str,
+                   rejoining: set[str], ok: set[str]) -> None:
+    """Every live engine: refuses to serve (torn) or equals a fresh engine on the version it says it holds."""
+    for n, r in reps.items():
+        if not r.alive():
+            continue
+        st = _answer(r.call("inspect", os.path.join(work, f"inspect-v{v}-{n}")), 300)
+        if st is None:
+            continue
+        if "refused" in st:
+            tally["refused_torn"] += 1
+            continue
+        held = st["weight_version"]
+        if held is None or not str(held).isdigit():
+            continue  # never synced: its checkpoint weights, not a trainer version
+        n_keys, bad = fresh.compare(int(held), st)
+        tally["compared"] += n_keys
+        if bad:
+            tally["mismatched" if n in ok else "torn_served"] += 1
+            tally["notes"].append(f"v{v} {kind}: {n} holds version {held} but differs: {bad[:3]}")
+        elif n in rejoining and n in ok:
+            rejoining.discard(n)
+            tally["rejoined_exact"] += 1
+
+
+def run(args) -> int:
+    """``shardsync chaos [--vllm]``: 1 if any sync deadlocked, served torn weights or mismatched (2: bad kinds)."""
+    if args.vllm:
+        r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
+        return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] else 0
+    kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        print(f"shardsync chaos: unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}", file=sys.stderr)
+        return 2
+    r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
+    bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
+        r["unexpected_failures"] or r["lost_bytes"]
+    return 1 if bad else 0

@@ -12,8 +12,8 @@ Two recording modes, both the real recorder on the real loaders:
 - ``full``: every checkpoint tensor goes through each distinct consumer's ``load_weights``
   (another EP rank's experts return before ``copy_`` and drop out). At trillion-parameter scale the
   plans are recorded by worker processes (``fork``), one per core.
-- ``template``: decoder layers whose checkpoint tensors *and* engine parameters have identical names
-  (up to the layer index), shapes and dtypes form a class; only the first and the last layer of
+- ``template`` (:mod:`shardsync.plan.template`): decoder layers whose checkpoint tensors *and* engine
+  parameters have identical names (up to the layer index), shapes and dtypes form a class; only the first and the last layer of
   each class (plus everything outside the layers) are recorded, the other layers' groups are the
   first one's with the layer index moved. The last layer is the check: its recorded group must equal
   the moved copy of the first, else that consumer is recorded in full. The resulting plans equal the
@@ -33,19 +33,17 @@ import math
 import multiprocessing as mp
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-import msgspec
 import torch
 from torch import nn
 
-from ..plan.groups import group_order, weight_group
 from ..plan.record import record_plan
-from ..types import GroupPlan, ParamMeta, Plan, metadata_digest
+from ..plan.template import LayerIndex, record_templated
+from ..types import ParamMeta, Plan
 from ..zoo import ZooConfig, ZooModel, hf_shapes
 from ..zoo.mla import MLAConfig, MLAModel, mla_metadata
 
@@ -56,7 +54,6 @@ ConsumerKey = tuple[int, int, int, int]
 """(TP size, TP rank, EP size, EP rank) of one inference rank: equal keys record equal plans."""
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _PARALLEL_MIN_WORK = 200_000
 """Consumers × tensors above which ``full`` recording uses one worker process per core."""
 
@@ -142,83 +139,16 @@ def _label(key: ConsumerKey) -> str:
 
 
 def _record(spec: ModelSpec, metas: Sequence[ParamMeta], key: ConsumerKey, mode: str,
-            index: "_LayerIndex | None" = None) -> Plan:
+            index: LayerIndex | None = None) -> Plan:
     model = spec.consumer(key)
     params = dict(model.named_parameters())
     if mode == "template":
-        plan = _record_templated(model, params, metas, key, index or _LayerIndex(metas))
+        plan = record_templated(model.load_weights, params, metas, consumer=_label(key), rank=key[1],
+                                index=index or LayerIndex(metas))
         if plan is not None:
             return plan
     return record_plan(metadata=metas, load_weights=model.load_weights, params=params, consumer=_label(key),
                        rank=key[1])
-
-
-def _layer(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(2)) if m else None
-
-
-def _move(s: str, a: int, b: int) -> str:
-    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{b}." if int(m.group(2)) == a else m.group(0), s, count=1)
-
-
-def _moved_group(g: GroupPlan, a: int, b: int, name: str) -> GroupPlan:
-    rep = msgspec.structs.replace
-    return rep(g, name=name, sources=tuple(_move(s, a, b) for s in g.sources),
-               scatters=tuple(rep(s, src=_move(s.src, a, b), dst=_move(s.dst, a, b)) for s in g.scatters),
-               fills=tuple(rep(f, src=_move(f.src, a, b), dst=_move(f.dst, a, b)) for f in g.fills))
-
-
-class _LayerIndex:
-    """Per-metadata facts the template mode needs, computed once for all consumers."""
-
-    def __init__(self, metas: Sequence[ParamMeta]):
-        self.layer_of = [_layer(m.name) for m in metas]
-        self.sig: dict[int, list] = {}
-        self.group: dict[int, str] = {}
-        for m, i in zip(metas, self.layer_of):
-            if i is not None:
-                self.sig.setdefault(i, []).append((_move(m.name, i, -1), m.dtype, m.shape))
-                self.group.setdefault(i, weight_group(m.name))
-        self.digest = metadata_digest(metas)
-
-
-def _record_templated(model: nn.Module, params: dict[str, torch.Tensor], metas: Sequence[ParamMeta],
-                      key: ConsumerKey, ix: _LayerIndex) -> Plan | None:
-    """Record one layer per class of identical layers (and the last one as a check); None if the check fails."""
-    psig: dict[int, list] = defaultdict(list)
-    for n, p in params.items():
-        i = _layer(n)
-        if i in ix.sig:
-            psig[i].append((_move(n, i, -1), p.dtype, tuple(p.shape), p.stride()))
-    classes: dict[tuple, list[int]] = {}
-    for i in sorted(ix.sig):
-        classes.setdefault((tuple(ix.sig[i]), tuple(psig[i])), []).append(i)
-    recorded = {c[0] for c in classes.values()} | {c[-1] for c in classes.values()}
-    subset = [m for m, i in zip(metas, ix.layer_of) if i is None or i in recorded]
-    sub = record_plan(metadata=subset, load_weights=model.load_weights, params=params, consumer=_label(key),
-                      rank=key[1])
-    groups = {g.name: g for g in sub.groups}
-    dests = {d.name: d for d in sub.dests}
-    for layers in classes.values():
-        first, last = layers[0], layers[-1]
-        g0 = groups.get(ix.group[first])
-        if (g0 is None) != (ix.group[last] not in groups):
-            return None
-        if g0 is None:
-            continue
-        if last != first and _moved_group(g0, first, last, ix.group[last]) != groups[ix.group[last]]:
-            return None  # the loader treats these layers differently: no template
-        first_dests = [d for n, d in dests.items() if _layer(n) == first]
-        for i in layers[1:-1]:
-            groups[ix.group[i]] = _moved_group(g0, first, i, ix.group[i])
-            for d in first_dests:
-                moved = msgspec.structs.replace(d, name=_move(d.name, first, i))
-                dests[moved.name] = moved
-    used = {s for g in groups.values() for s in g.sources}
-    return Plan(consumer=sub.consumer, meta_digest=ix.digest, groups=tuple(groups[g] for g in group_order(groups)),
-                unneeded=tuple(m.name for m in metas if m.name not in used),
-                dests=tuple(sorted(dests.values(), key=lambda d: d.name))).sealed()
 
 
 _JOB: dict[str, Any] = {}
@@ -250,7 +180,7 @@ def record_plans(spec: ModelSpec, keys: Sequence[ConsumerKey], *, mode: str = "f
         for p in plans.values():
             p.verify_digest()
         return plans
-    index = _LayerIndex(metas) if mode == "template" else None
+    index = LayerIndex(metas) if mode == "template" else None
     return {k: _record(spec, metas, k, mode, index) for k in keys}
 
 

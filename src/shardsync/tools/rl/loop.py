@@ -1,15 +1,17 @@
-"""``shardsync demo``: a small but genuine RL loop — an FSDP2 policy trained by GRPO, its weights synced into
-real vLLM engines after every optimizer step, rollouts sampled by those engines.
+"""The RL demo's loop (``shardsync demo``): an FSDP2 policy trained by GRPO on the toy task (``task``), its weights
+synced into real vLLM engines after every optimizer step, rollouts sampled by those engines.
 
-Each step: the live engines sample answers for the step's prompts (``rl_task``), the trainer ranks take one
-GRPO step on them, every trainer rank serves the new version and every live engine pulls its bytes
-(shardsync, point to point), then each engine compares everything it holds with a FRESH load of the
-trainer's weights of that version (vLLM's loader, in the engine's worker; a digest and every tensor) —
-exactness is checked every step, not trusted. ``kill_engine_at``: one engine is killed (SIGKILL to its
-whole process group) after that step's rollouts; that step's sync completes on the survivor, the killed
-engine is restarted at once under its old name and rejoins at the next sync.
+Each step (:func:`run_step`): the live engines sample answers for the step's prompts, the trainer ranks take one
+GRPO step on them, every trainer rank serves the new version and every live engine pulls its bytes (shardsync,
+point to point), then each engine compares everything it holds with a FRESH load of the trainer's weights of that
+version (vLLM's loader, in the engine's worker; a digest and every tensor) — exactness is checked every step, not
+trusted. ``kill_engine_at``: one engine is killed (SIGKILL to its whole process group) after that step's
+rollouts; that step's sync completes on the survivor, the killed engine is restarted at once under its old name
+and rejoins at the next sync. Trainer ranks (``harness.fsdp_trainer.PolicyRank``) and engines
+(``harness.vllm_engine.VllmEngine``) are process hosts (``harness.hosts``): local processes, or Ray actors::
 
-    report = run_rl_demo(DemoConfig(steps=20, kill_engine_at=8), as_json=False)
+    loop = Loop(DemoConfig(steps=20, kill_engine_at=8), work); loop.start(progress)
+    rec = run_step(loop, cfg, 1, rng, rejoining)          # one step's record; summarize(cfg, records, seconds)
 """
 
 from __future__ import annotations
@@ -17,21 +19,17 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import shutil
-import socket
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from .hosted import Hosted, HostedDied, HostedError
-from .output import emit_json, json_mode
-from .rl_task import Task, make_batch, make_prompts, rewards
+from ..harness.hosts import HostedDied, free_port, host_factory, results
+from .task import Task, make_batch, make_prompts, rewards
 
-__all__ = ["DemoConfig", "run_rl_demo"]
+__all__ = ["DemoConfig", "Loop", "run_step", "summarize"]
 
-WORKERS = "shardsync.tools.rl_workers"
+POLICY = "shardsync.tools.harness.fsdp_trainer:PolicyRank"
+ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
 @dataclass
@@ -53,24 +51,6 @@ class DemoConfig:
     task: Task = field(default_factory=Task)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _results(calls: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Every call's result, or its exception (HostedDied / HostedError / TimeoutError)."""
-    out: dict[str, Any] = {}
-    deadline = time.monotonic() + timeout
-    for k, c in calls.items():
-        try:
-            out[k] = c.result(max(1.0, deadline - time.monotonic()))
-        except (HostedDied, HostedError, TimeoutError) as e:
-            out[k] = e
-    return out
-
-
 def _raise_any(res: dict[str, Any], what: str) -> dict[str, Any]:
     bad = {k: v for k, v in res.items() if isinstance(v, BaseException)}
     if bad:
@@ -78,11 +58,11 @@ def _raise_any(res: dict[str, Any], what: str) -> dict[str, Any]:
     return res
 
 
-class _Loop:
+class Loop:
     def __init__(self, cfg: DemoConfig, work: str):
         self.cfg, self.work = cfg, work
         self.token = secrets.token_hex(8)
-        self.host = _host_factory(cfg)
+        self.host = host_factory(cfg.use_ray)
         self.ranks: list[Any] = []
         self.engines: dict[str, Any] = {}
         self.booting: dict[str, Any] = {}
@@ -93,9 +73,9 @@ class _Loop:
 
     # ------------------------------------------------------------------ start-up
     def start(self, progress: Any) -> None:
-        cfg, port = self.cfg, _free_port()
+        cfg, port = self.cfg, free_port()
         task = progress.add_task("trainer ranks (FSDP2, gloo)", total=None)
-        self.ranks = [self.host(f"rank{r}", f"{WORKERS}:PolicyRank",
+        self.ranks = [self.host(f"rank{r}", POLICY,
                                 dict(rank=r, world=cfg.trainer_ranks, port=port, work=self.work,
                                      vocab=cfg.task.vocab, lr=cfg.lr, seed=cfg.seed)) for r in range(cfg.trainer_ranks)]
         for r in self.ranks:
@@ -106,7 +86,7 @@ class _Loop:
         for r in self.ranks[1:]:
             r.call("start_producer", self.token, coordinator=self.coordinator, **kw).result(60)
         if self.group is not None:  # a dead engine actor is dropped at once (not after its lease)
-            from ..integrations.ray import EngineWatch
+            from ...integrations.ray import EngineWatch
             self.watch = EngineWatch(self.group)
         inits = {f"rank{i}": r.call("init_producer") for i, r in enumerate(self.ranks)}
         progress.update(task, description="trainer ranks ready; producers waiting for the engines' plans")
@@ -119,15 +99,15 @@ class _Loop:
             progress.update(etask, completed=len(self.engines))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines {sorted(self.booting)} not up within 900 s")
-        _raise_any(_results(inits, 300), "producer init")
+        _raise_any(results(inits, 300), "producer init")
         progress.update(task, completed=1, total=1)
 
     def _boot(self, name: str) -> None:
         where = dict(group=self.group) if self.group is not None else dict(coordinator=self.coordinator,
                                                                             token=self.token)
-        self.booting[name] = self.host(name, f"{WORKERS}:RolloutEngine",
-                                       dict(name=name, checkpoint=self.ckpt0, work=self.work,
-                                            timeout_s=self.cfg.timeout_s, **where))
+        self.booting[name] = self.host(name, ENGINE, dict(model_dir=self.ckpt0, name=name, seed=0,
+                                                          plan_dir=os.path.join(self.work, f"engine-{name}"),
+                                                          timeout_s=self.cfg.timeout_s, **where))
 
     def _admit(self, wait_s: float = 0.0) -> list[str]:
         """Engines whose start-up finished join the live set (they registered with the coordinator)."""
@@ -152,7 +132,7 @@ class _Loop:
         calls = {n: self.engines[n].call("generate", [prompts[j] for j in idx], n=self.cfg.samples,
                                          max_tokens=self.cfg.task.answer_len, seed=seed * 1000 + min(idx, default=0))
                  for n, idx in shares.items() if idx}
-        res = _raise_any(_results(calls, self.cfg.timeout_s), "rollouts")
+        res = _raise_any(results(calls, self.cfg.timeout_s), "rollouts")
         answers: list[Any] = [None] * len(prompts)
         for n, idx in shares.items():
             for j, a in zip(idx, res.get(n, [])):
@@ -166,7 +146,7 @@ class _Loop:
     def sync(self, version: int) -> tuple[dict, dict]:
         calls = {f"rank{i}": r.call("sync", version) for i, r in enumerate(self.ranks)}
         calls.update({n: e.call("sync", version) for n, e in self.engines.items()})
-        res = _results(calls, self.cfg.timeout_s * 2)
+        res = results(calls, self.cfg.timeout_s * 2)
         prod = _raise_any({k: v for k, v in res.items() if k.startswith("rank")}, f"sync v{version} (trainer)")
         engines = {k: v for k, v in res.items() if not k.startswith("rank")}
         for n, v in engines.items():
@@ -175,10 +155,10 @@ class _Loop:
         return prod, engines
 
     def check(self, version: int) -> tuple[dict, dict]:
-        saved = _raise_any(_results({f"rank{i}": r.call("save", version) for i, r in enumerate(self.ranks)},
+        saved = _raise_any(results({f"rank{i}": r.call("save", version) for i, r in enumerate(self.ranks)},
                                     120), f"checkpoint v{version}")
         ckpt = saved["rank0"]["path"]
-        res = _results({n: e.call("check", ckpt) for n, e in self.engines.items()}, 300)
+        res = results({n: e.call("check_fresh_load", ckpt) for n, e in self.engines.items()}, 300)
         return saved, res
 
     def close(self) -> None:
@@ -189,69 +169,11 @@ class _Loop:
         for r in self.ranks:
             r.close(30)
         if self.group is not None:
-            from ..integrations.ray import forget
+            from ...integrations.ray import forget
             forget(self.group)
 
 
-def _host_factory(cfg: DemoConfig):
-    if not cfg.use_ray:
-        return Hosted
-    import ray
-
-    from .ray_hosted import RayHosted
-    if not ray.is_initialized():  # the embedded default; an existing cluster: ray.init(address=...) first
-        ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    return RayHosted
-
-
-def run_rl_demo(cfg: DemoConfig, *, as_json: bool = False) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from .rl_report import plot, step_line, summary_table
-
-    os.makedirs(cfg.out, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="shardsync-rl-")
-    console = Console(file=sys.stderr if as_json else sys.stdout)
-    rng = random.Random(cfg.seed)
-    steps: list[dict[str, Any]] = []
-    t_start = time.monotonic()
-    with json_mode(as_json):
-        if as_json:
-            os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engines' log lines would bury the steps
-        console.print(f"[bold]shardsync demo[/bold]: task — {cfg.task.describe()}")
-        console.print(f"policy: Qwen3-style, {cfg.trainer_ranks} FSDP2 ranks (gloo); {cfg.replicas} vLLM engines "
-                      f"(CPU) sample {cfg.samples} answers per prompt, {cfg.prompts} prompts per step; "
-                      f"shardsync syncs after every optimizer step{'; on Ray' if cfg.use_ray else ''}")
-        loop = _Loop(cfg, work)
-        try:
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                          console=console, transient=False) as progress:
-                loop.start(progress)
-            console.print(f"start-up: {time.monotonic() - t_start:.1f} s")
-            rejoining: dict[str, int] = {}
-            for step in range(1, cfg.steps + 1):
-                rec = _step(loop, cfg, step, rng, rejoining)
-                steps.append(rec)
-                console.print(step_line(rec), soft_wrap=True)
-        finally:
-            loop.close()
-        report = _report(cfg, steps, time.monotonic() - t_start)
-        with open(os.path.join(cfg.out, "report.json"), "w") as f:
-            import json
-            json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "task"} | {"task": asdict(cfg.task)},
-                       **report, "per_step": steps}, f, indent=1)
-        plot(steps, os.path.join(cfg.out, "demo.png"), kill_at=cfg.kill_engine_at, engines=cfg.replicas)
-        console.print(summary_table(steps, report))
-        console.print(f"report: {os.path.join(cfg.out, 'report.json')}   plot: {os.path.join(cfg.out, 'demo.png')}")
-        shutil.rmtree(work, ignore_errors=True)
-        if as_json:
-            emit_json(report)
-    return report
-
-
-def _step(loop: _Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining: dict[str, int]) -> dict:
+def run_step(loop: Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining: dict[str, int]) -> dict:
     rec: dict[str, Any] = {"step": step}
     prompts = make_prompts(rng, cfg.prompts, cfg.task)
     t0 = time.monotonic()
@@ -266,7 +188,7 @@ def _step(loop: _Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining
         rec["killed"] = victim
         rejoining[victim] = step
     batch = make_batch(prompts, answers, r, cfg.task)
-    losses = _raise_any(_results({f"rank{i}": h.call("train", batch) for i, h in enumerate(loop.ranks)}, 300),
+    losses = _raise_any(results({f"rank{i}": h.call("train", batch) for i, h in enumerate(loop.ranks)}, 300),
                         f"train step {step}")
     rec["loss"] = sum(losses.values()) / len(losses)
     if loop.booting and step > min(rejoining.values(), default=step):  # the restarted engine rejoins now
@@ -299,7 +221,7 @@ def _step(loop: _Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoining
     return rec
 
 
-def _report(cfg: DemoConfig, steps: list[dict], seconds: float) -> dict[str, Any]:
+def summarize(cfg: DemoConfig, steps: list[dict], seconds: float) -> dict[str, Any]:
     all_exact = bool(steps) and all(s["exact"] and all(s["exact"].values()) and not s["sync_errors"] for s in steps)
     return {"steps": len(steps), "reward_first": steps[0]["reward"] if steps else None,
             "reward_last": steps[-1]["reward"] if steps else None,

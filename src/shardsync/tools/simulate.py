@@ -35,15 +35,16 @@ Modelling choices:
   bounded by a receive-memory budget (k + 1 slots of the largest group); time = max(consumer NICs, stage work ÷ k, slowest
   stage) + fill + drain.
 
-Plans are recorded in ``full`` mode by default (every tensor through every distinct consumer's
-loaders; Kimi-K2's 32 distinct ranks take ~30 s on 2 cores); ``record="template"`` gives the same
-plans, digest for digest, in seconds (see :mod:`shardsync.sim_models`). The table also reports the
-per-group route balance: ``route.py`` balances whole-sync byte totals, so under the group-lockstep
-schedule one producer can carry several plans' share of the same layer while its peers idle.
+Plans are recorded in ``full`` mode by default (every tensor through every distinct consumer's loaders; Kimi-K2's
+32 distinct ranks take ~30 s on 2 cores); ``record="template"`` (:mod:`shardsync.plan.template`) gives the same
+plans, digest for digest, in seconds. The table also reports the per-group route balance: ``route.py`` balances
+whole-sync byte totals, so under the group-lockstep schedule one producer can carry several plans' share of the
+same layer while its peers idle. The models and the cluster's rank arithmetic: :mod:`shardsync.tools.sim_models`.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -383,3 +384,16 @@ def calibrate_cpu(measured: dict[str, Any], *, groups: int | None = None, copy_b
         out["measured_s"] = measured["shardsync_s"]
         out["rel_error"] = round(predicted / measured["shardsync_s"] - 1, 4)
     return out
+
+
+def run(args) -> int:
+    """``shardsync simulate``: 2 on a bad configuration (the reason on stderr)."""
+    try:
+        run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,
+                     replicas=args.replicas, trainer_nodes=args.trainer_nodes, gpus_per_node=args.gpus_per_node,
+                     nic_gbps=args.nic_gbps, nvlink_gbps=args.nvlink_gbps, as_json=args.json, record=args.record,
+                     colocate=args.colocate)
+    except ValueError as e:
+        print(f"shardsync simulate: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,8 +1,15 @@
-"""Trainer ranks for the local cluster's producer processes, beyond a plain module: a Megatron-style TP x EP x
-PP rank (``MegatronRank``: local shards in Megatron layouts, gloo TP groups, ``MegatronSource``; its
-``GatherEverywhere`` variant is the benchmark's v1 reference) and an FSDP2 rank (``FSDPRank``: the reference
-trainer, really training — forward, backward, AdamW — between syncs). Each joins the trainer's gloo group on
-first use, after every producer is listening; ``set_version(v)`` is the training step before sync ``v``.
+"""Trainer stand-ins: trainer ranks whose weights change every step, for the local cluster's producer processes
+and the Ray trainer actors, and :func:`serve` (their producer, local or through Ray's registry).
+
+- ``VersionedSource.make(spec, rank, n)``: the weights of version v are the spec's — ``zoo`` (``hf_state_dict``
+  with seed v), ``checkpoint`` (a tiny checkpoint perturbed by v), ``megatron`` (:class:`MegatronRank`), ``fsdp``
+  (``fsdp_trainer.FSDPRank``: the FSDP2 reference trainer, really training); a PP share of the layers
+  (:func:`pp_share`) or, ``replicated``, everything.
+- :class:`MegatronRank`: one rank of a Megatron-style TP x EP x PP trainer (local shards in Megatron layouts, gloo
+  TP groups, ``MegatronSource``); :class:`GatherEverywhere`, its naive export (``shardsync bench --mode v1``).
+
+Ranks of a real trainer join its gloo group on first use, after every producer is listening
+(:class:`JoinedRank`); ``set_version(v)`` is the training step before sync ``v``.
 """
 
 from __future__ import annotations
@@ -12,11 +19,106 @@ from typing import Any
 
 import torch
 
-from ..plan.groups import weight_group
-from ..zoo import ZooConfig
+from ...plan.groups import weight_group
+from ...zoo import ZooConfig
+
+__all__ = ["pp_share", "weights_at", "VersionedSource", "serve", "JoinedRank", "MegatronRank", "GatherEverywhere",
+           "megatron_coords", "join_group"]
 
 
-def _join(spec: dict, rank: int, n: int) -> None:
+def pp_share(names: list[str], rank: int, n: int) -> list[str]:
+    """Names pipeline stage ``rank`` of ``n`` holds: a contiguous block of layers (+pre on 0, +post on last)."""
+    layers = sorted({int(weight_group(x).rsplit(".", 1)[1]) for x in names if weight_group(x) not in ("pre", "post")})
+    per = -(-len(layers) // n)
+    mine = set(layers[rank * per:(rank + 1) * per])
+    out = []
+    for x in names:
+        g = weight_group(x)
+        if (g == "pre" and rank == 0) or (g == "post" and rank == n - 1) or \
+                (g not in ("pre", "post") and int(g.rsplit(".", 1)[1]) in mine):
+            out.append(x)
+    return out
+
+
+def weights_at(spec: dict):
+    """``version -> full HF state dict`` of the trainer (seed = version), the same in every process."""
+    if spec["kind"] == "fsdp":  # a real trainer: rank 0 writes what it holds after each step
+        from safetensors.torch import load_file
+
+        return lambda v: load_file(os.path.join(spec["dir"], f"v{v}.safetensors"))
+    if spec["kind"] in ("zoo", "megatron"):
+        from ...zoo import hf_state_dict
+
+        zc = ZooConfig(**spec["cfg"])
+        return lambda v: hf_state_dict(zc, seed=v)
+    from ...integrations.vllm.testing.checkpoints import load_checkpoint, perturb
+
+    base = load_checkpoint(spec["path"])
+    return lambda v: perturb(base, v)
+
+
+class VersionedSource:
+    """Factory for a trainer rank's source whose weights change every step (seed = version)."""
+
+    @staticmethod
+    def make(spec: dict, rank: int, n: int, *, replicated: bool = False):
+        """Rank ``rank`` of ``n``: a PP share of the layers, or (``replicated``, data-parallel ranks) everything."""
+        if spec["kind"] == "megatron":
+            return MegatronRank(spec, rank, n)
+        if spec["kind"] == "fsdp":
+            from .fsdp_trainer import FSDPRank
+
+            return FSDPRank(spec, rank, n)
+        from ...source import ModuleSource
+
+        at = weights_at(spec)
+        first = at(0)
+        names = list(first)
+
+        class Source(ModuleSource):
+            def set_version(self, v: int) -> None:
+                sd = at(v)
+                self._state = {k: sd[k] for k in names}
+
+        return Source(first, held=None if replicated else pp_share(names, rank, n))
+
+
+def serve(source: Any, *, group: str | None = None, **cfg: Any):
+    """The producer over ``source`` (not yet ``init()``-ed): ``ProducerConfig(**cfg)`` here, or, with ``group``,
+    inside a Ray actor through the group's registry (``integrations.ray.start_producer``)."""
+    if group is not None:
+        from ...integrations.ray import start_producer
+
+        return start_producer(source, group=group, **cfg)
+    from ...engine.producer import Producer, ProducerConfig
+
+    return Producer(source, ProducerConfig(**cfg))
+
+
+class JoinedRank:
+    """A rank of a real trainer: its source exists once it has joined the trainer's process group (``_source()``,
+    on first use); the metadata is known before."""
+
+    metas: list
+
+    def _source(self) -> Any:
+        raise NotImplementedError
+
+    def metadata(self):
+        return self.metas
+
+    def held_names(self):
+        return self._source().held_names()
+
+    def groups(self):
+        return self._source().groups()
+
+    def iter_groups(self):
+        return self._source().iter_groups()
+
+
+def join_group(spec: dict, rank: int, n: int) -> None:
+    """Join the trainer's gloo group (``spec["dist_port"]``) as ``rank`` of ``n``."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -31,15 +133,15 @@ def megatron_coords(par: dict, rank: int) -> dict[str, int]:
     return {"tp_rank": rank % tp, "ep_rank": (rank // tp) % ep, "pp_rank": rank // (tp * ep)}
 
 
-class MegatronRank:
+class MegatronRank(JoinedRank):
     """One rank of a Megatron-style TP x EP x PP trainer (gloo among the producer processes): its local shards
     in Megatron layouts, offered through ``MegatronSource``; ``set_version`` is the training step.
     ``spec["gather"] = "everywhere"``: through :class:`GatherEverywhere` instead (``shardsync bench --mode v1``)."""
 
     def __init__(self, spec: dict, rank: int, n: int):
-        from ..sources.megatron import MegatronConfig, MegatronParallel
-        from ..sources.megatron_layout import hf_shapes
-        from ..types import ParamMeta
+        from ...sources.megatron import MegatronConfig, MegatronParallel
+        from ...sources.megatron_layout import hf_shapes
+        from ...types import ParamMeta
 
         par = spec["par"]
         tp, ep, pp = par.get("tp", 1), par.get("ep", 1), par.get("pp", 1)
@@ -59,7 +161,7 @@ class MegatronRank:
         if self.inner is None:
             import torch.distributed as dist
 
-            _join(self.spec, self.rank, self.n)
+            join_group(self.spec, self.rank, self.n)
             tp = self.par.tp
             groups = {tuple(range(s, s + tp)): dist.new_group(list(range(s, s + tp)))  # same order on every rank
                       for s in range(0, self.n, tp)}
@@ -68,8 +170,8 @@ class MegatronRank:
         return self.inner
 
     def set_version(self, v: int) -> None:
-        from ..sources.megatron import MegatronSource, hf_to_megatron_shards
-        from ..zoo import hf_state_dict
+        from ...sources.megatron import MegatronSource, hf_to_megatron_shards
+        from ...zoo import hf_state_dict
 
         self.version = v
         if not hasattr(self, "tp_group"):
@@ -87,17 +189,6 @@ class MegatronRank:
         self.inner = MegatronSource(local, self.mcfg, self.par, tp_group=self.tp_group,
                                     etp_group=self.tp_group if self.par.etp > 1 else None)
 
-    def metadata(self):
-        return self.metas
-
-    def held_names(self):
-        return self._source().held_names()
-
-    def groups(self):
-        return self._source().groups()
-
-    def iter_groups(self):
-        return self._source().iter_groups()
 
 
 class GatherEverywhere:
@@ -107,9 +198,9 @@ class GatherEverywhere:
     rank holds everything, so routing may pick any rank; the world iterates every group in lockstep."""
 
     def __init__(self, local: dict, mcfg: Any, par: Any, rank: int, n: int, sizes: dict):
-        from ..source import gather_groups
-        from ..sources.megatron_layout import hf_shapes, items, local_shapes
-        from ..types import ParamMeta, dtype_of
+        from ...source import gather_groups
+        from ...sources.megatron_layout import hf_shapes, items, local_shapes
+        from ...types import ParamMeta, dtype_of
 
         self.local, self.mcfg, self.rank, self.n, self.dtype = local, mcfg, rank, n, dtype_of(mcfg.dtype)
         self.metas = [ParamMeta(name=k, dtype=mcfg.dtype, shape=s) for k, s in hf_shapes(mcfg).items()]
@@ -140,7 +231,7 @@ class GatherEverywhere:
     def iter_groups(self):
         import torch.distributed as dist
 
-        from ..sources.megatron_layout import merge
+        from ...sources.megatron_layout import merge
 
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for names in self._groups:
@@ -153,55 +244,3 @@ class GatherEverywhere:
                 gather(full, mine.view(-1))
                 out.update(zip(it.hf, merge(it, [full[r * k:(r + 1) * k].view(shape) for r, _ in holders], self.mcfg)))
             yield list(names), [out[x] for x in names]
-
-
-class FSDPRank:
-    """One rank of the FSDP2 reference trainer (``tools/reftrainer.py``) over all producer processes:
-    ``set_version(v)`` runs one optimizer step on a batch seeded by ``v``; rank 0 then writes the full weights
-    to ``{spec["dir"]}/v{v}.safetensors`` (what consumers are checked against)."""
-
-    def __init__(self, spec: dict, rank: int, n: int):
-        from ..source import ModuleSource
-        from .reftrainer import build_model
-
-        self.spec, self.rank, self.n, self.trainer = spec, rank, n, None
-        self.metas = ModuleSource(build_model(spec.get("arch", "qwen3"), seed=0)).metadata()  # no gather needed
-
-    def _source(self):
-        if self.trainer is None:
-            from .reftrainer import RefTrainer
-
-            _join(self.spec, self.rank, self.n)
-            self.trainer = RefTrainer(arch=self.spec.get("arch", "qwen3"), seed=0)
-            self.source = self.trainer.source()
-        return self.source
-
-    def set_version(self, v: int) -> None:
-        self._source()
-        assert self.trainer is not None
-        if v > 0:
-            g = torch.Generator().manual_seed(v)
-            self.trainer.step(torch.randint(0, 256, (2, 16), generator=g))
-        full = self.trainer.full_state_dict()  # a collective: every rank
-        if self.rank == 0:
-            from safetensors.torch import save_file
-
-            path = os.path.join(self.spec["dir"], f"v{v}.safetensors")
-            save_file(full, path + ".tmp")
-            os.replace(path + ".tmp", path)
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self._source().stats
-
-    def metadata(self):
-        return self.metas
-
-    def held_names(self):
-        return None
-
-    def groups(self):
-        return self._source().groups()
-
-    def iter_groups(self):
-        return self._source().iter_groups()
