@@ -72,8 +72,8 @@ def _is_state_object(v: Any) -> bool:
     if isinstance(v, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.ModuleType,
                       functools.partial, enum.Enum)):
         return False
-    cls = type(v)
-    return cls.__module__ != "builtins" and hasattr(v, "__dict__") and not cls.__name__.endswith("Config")
+    cls = type(v)  # vLLM's own per-layer helpers only: never a shared logger, lock or third-party singleton
+    return cls.__module__.startswith("vllm.") and hasattr(v, "__dict__") and not cls.__name__.endswith("Config")
 
 
 def _nested(roots: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any]]]:
