@@ -33,7 +33,7 @@ from typing import Any, Iterator
 from ...errors import ShardsyncError
 
 __all__ = ["SUPPORTED", "UnsupportedVllm", "vllm_version", "check_supported", "trainer_engine_base",
-           "trainer_init_args", "trainer_engine_init_kwargs", "finish_weight_update", "has_weight_versions",
+           "trainer_init_args", "trainer_engine_init_args", "finish_weight_update", "has_weight_versions",
            "is_deferred_attention_layer", "no_mtp_completeness_check", "skip_load_tensors"]
 
 SUPPORTED = ((0, 26), (0, 32))
@@ -96,15 +96,15 @@ def trainer_init_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return config, info
 
 
-def trainer_engine_init_kwargs(config: Any) -> tuple[tuple, dict]:
+def trainer_engine_init_args(config: Any) -> tuple:
     """Positional arguments for ``TrainerWeightTransferEngine.__init__`` (0.26 takes the config first)."""
     if _trainer_arity() == 2:
         if config is None:
             from vllm.config.weight_transfer import WeightTransferConfig
 
             config = WeightTransferConfig(backend="shardsync")
-        return (config,), {}
-    return (), {}
+        return (config,)
+    return ()
 
 
 def finish_weight_update(client: Any, weight_version: str | None) -> None:
@@ -115,7 +115,10 @@ def finish_weight_update(client: Any, weight_version: str | None) -> None:
         takes = "weight_version" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         takes = True
-    fn(weight_version=weight_version) if takes else fn()
+    if takes:
+        fn(weight_version=weight_version)
+    else:
+        fn()
 
 
 def has_weight_versions() -> bool:

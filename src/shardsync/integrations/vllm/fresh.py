@@ -142,12 +142,12 @@ def _serves_shardsync() -> bool:
     try:
         from vllm.config import get_current_vllm_config
 
-        from .plugin import BACKEND
+        from .plugin import selects_shardsync
 
-        cfg = get_current_vllm_config().weight_transfer_config
+        cfg = get_current_vllm_config()
     except Exception:
         return True
-    return cfg is not None and getattr(cfg, "backend", None) == BACKEND
+    return selects_shardsync(cfg)
 
 
 @dataclass(frozen=True)

@@ -248,10 +248,9 @@ def _refuse_all(core: Any) -> dict[int, Any]:
 
 def serves_shardsync(core: Any) -> bool:
     """Whether this engine core was started with the shardsync backend (the guard does nothing elsewhere)."""
-    from .plugin import BACKEND
+    from .plugin import selects_shardsync
 
-    cfg = getattr(getattr(core, "vllm_config", None), "weight_transfer_config", None)
-    return getattr(cfg, "backend", None) == BACKEND
+    return selects_shardsync(getattr(core, "vllm_config", None))
 
 
 def install() -> None:

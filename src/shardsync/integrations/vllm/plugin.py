@@ -26,6 +26,12 @@ def register() -> None:
             log.warning("shardsync plugin: %s skipped: %s", step.__name__.lstrip("_"), FAILED[step.__name__])
 
 
+def selects_shardsync(vllm_config) -> bool:
+    """Whether an engine's config selects the shardsync backend (the hooks act only in such engines)."""
+    cfg = getattr(vllm_config, "weight_transfer_config", None)
+    return getattr(cfg, "backend", None) == BACKEND
+
+
 def require_plugin() -> None:
     """Raise, naming the vLLM version, if a plugin step a shardsync engine needs failed in this process."""
     if FAILED:

@@ -101,8 +101,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
     init_info_cls = ShardsyncTrainerInitInfo
 
     def __init__(self, *, client: Any, source: Any, producer: Producer, is_sender: bool, config: Any = None):
-        args, _ = compat.trainer_engine_init_kwargs(config)
-        super().__init__(*args, client=client, source=source, is_sender=is_sender)
+        super().__init__(*compat.trainer_engine_init_args(config), client=client, source=source, is_sender=is_sender)
         self.producer = producer
         self.version = 0
 
