@@ -12,7 +12,14 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
 
     python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
     python benchmarks/gpu_vllm.py --model tiny-mla --quant fp8      # DeepSeek-V3-style MLA + MoE, FP8 online
+    python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-block  # a block-FP8 checkpoint (128x128 scales)
+    python benchmarks/gpu_vllm.py --model tiny --torn               # + a sync aborted mid-way, then healed
     python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
+
+Memory (colocated, one GPU): the trainer's figures are its process's CUDA allocator (the ring shardsync packs into
+is allocated at ``trainer_init``; ``ipc`` exports the trainer's own tensors); the engine's are its worker's
+allocator (receive slots at ``init_weight_transfer_engine``, transients during a sync) and the device-wide used
+memory (``cudaMemGetInfo``, every process) at the same points.
 
 With ``--json`` the last stdout line is the comparison. Needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the probes are
 Python callables run in the worker) — set here for the child processes.
@@ -72,8 +79,42 @@ def version_state(base: dict, v: int) -> dict:
         return {k: t.clone() for k, t in base.items()}
     dev = next(iter(base.values())).device
     g = torch.Generator(device=dev).manual_seed(1000 + v)
-    return {k: (t.float() * (1 + 0.01 * v) + 0.002 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype)
+    return {k: (t.float() * (1 + 0.01 * v) if "scale" in k else  # scales stay positive
+                t.float() * (1 + 0.01 * v) + 0.002 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype)
             for k, t in base.items()}
+
+
+BLOCK = 128
+
+
+def quantize_block_fp8(ckpt: str) -> None:
+    """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
+    layers (routers excluded) becomes ``float8_e4m3fn`` with a ``weight_scale_inv`` per 128x128 block."""
+    import torch
+    from safetensors.torch import save_file
+
+    state, out = load_state(ckpt), {}
+    for k, t in state.items():
+        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
+            out[k] = t
+            continue
+        n, m = t.shape
+        assert n % BLOCK == 0 and m % BLOCK == 0, (k, t.shape)
+        blocks = t.float().reshape(n // BLOCK, BLOCK, m // BLOCK, BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        out[k] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m)
+        out[k[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
+    for f in os.listdir(ckpt):
+        if f.endswith(".safetensors") or f.endswith(".index.json"):
+            os.remove(os.path.join(ckpt, f))
+    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [BLOCK, BLOCK]}
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
 
 
 def load_state(ckpt: str) -> dict:
@@ -104,11 +145,30 @@ def _probe(worker) -> dict:  # runs in the vLLM worker
     return out
 
 
-def _llm(ckpt: str, graphs: bool, backend: str | None, quant: str | None = None):
+def _mem(worker) -> list[int]:  # runs in the vLLM worker: allocated now, peak since the last call
+    import torch
+
+    out = [torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()]
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def _device_used() -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+KV_CACHE_BYTES = 2 << 30  # fixed, not profiled: several cases' engines can then share one GPU at once
+
+
+def _llm(ckpt: str, graphs: bool, backend: str | None, quant: str | None = None, sleep: bool = False):
     from vllm import LLM
 
     kw = dict(model=ckpt, skip_tokenizer_init=True, enforce_eager=not graphs, max_model_len=256,
-              gpu_memory_utilization=0.35, seed=0, quantization=quant)
+              gpu_memory_utilization=0.12, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0, quantization=quant,
+              enable_sleep_mode=sleep)
     if backend:
         kw["weight_transfer_config"] = {"backend": backend}
     return LLM(**kw)
@@ -128,7 +188,8 @@ def phase(args) -> dict:
     base = {k: t.to("cuda:0") for k, t in load_state(ckpt).items()}
     t0 = time.perf_counter()
     llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if args.phase == "shardsync"
-                                                                       else "ipc"), args.quant)
+                                                                       else "ipc"), args.quant,
+               args.sleep and args.phase != "fresh")
     out: dict = {"phase": args.phase, "engine_start_s": round(time.perf_counter() - t0, 2)}
     if args.phase == "fresh":
         out["probe"] = llm.collective_rpc(_probe)[0]
@@ -138,29 +199,55 @@ def phase(args) -> dict:
     out["tokens_before"] = _tokens(llm)
     state = version_state(base, 0)
     out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    torch.cuda.synchronize()
+    mem = {"trainer0": torch.cuda.memory_allocated(), "engine0": llm.collective_rpc(_mem)[0][0],
+           "device0": _device_used()}
+    torch.cuda.reset_peak_memory_stats()
     times = []
     if args.phase == "shardsync":
-        eng = _shardsync_trainer(llm, state)
+        source = _failing_source(state)
+        eng = _shardsync_trainer(llm, source)
         out["init_s"] = round(eng._init_s, 3)
         send = eng.send_weights
     else:
         send = _ipc_sender(llm, state)
-    peak = 0
-    for v in range(1, args.syncs + 1):
+    torch.cuda.synchronize()
+    mem.update(trainer_init=torch.cuda.memory_allocated(), engine_init=llm.collective_rpc(_mem)[0][0],
+               device_init=_device_used())
+    torch.cuda.reset_peak_memory_stats()
+
+    def step(v: int) -> None:  # the trainer's step: same tensors, new values
+        if args.sleep:  # the engine sleeps while the trainer trains (weights to host, KV cache dropped)
+            used = _device_used()
+            llm.sleep(level=1)
+            out.setdefault("sleep_freed_device_bytes", []).append(used - _device_used())
         new = version_state(base, v)
-        for k, t in state.items():  # the trainer's step: same tensors, new values
+        for k, t in state.items():
             t.copy_(new[k])
         del new
         torch.cuda.synchronize()
-        mem0 = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        if args.sleep:
+            llm.wake_up()
+
+    versions = list(range(1, args.syncs + 1))
+    for v in versions:
+        step(v)
         t0 = time.perf_counter()
         send()
         torch.cuda.synchronize()
         times.append(round(time.perf_counter() - t0, 4))
-        peak = max(peak, torch.cuda.max_memory_allocated() - mem0)
     out["sync_s"] = times
-    out["trainer_extra_gpu_bytes_peak"] = peak
+    eng_now, eng_peak = llm.collective_rpc(_mem)[0]
+    out["memory"] = {
+        "trainer_after_init_extra_bytes": mem["trainer_init"] - mem["trainer0"],
+        "trainer_sync_peak_extra_bytes": torch.cuda.max_memory_allocated() - mem["trainer0"],
+        "engine_after_init_extra_bytes": mem["engine_init"] - mem["engine0"],
+        "engine_sync_peak_extra_bytes": eng_peak - mem["engine0"],
+        "engine_after_syncs_extra_bytes": eng_now - mem["engine0"],
+        "device_after_init_extra_bytes": mem["device_init"] - mem["device0"],
+        "device_after_syncs_extra_bytes": _device_used() - mem["device0"]}
+    if args.torn and args.phase == "shardsync":
+        out["torn"] = _torn_round(llm, send, source, step, args.syncs)
     after = llm.collective_rpc(_probe)[0]
     out["probe"] = after
     out["reallocated"] = sorted(k for k in after if k in before and after[k][1] != before[k][1])
@@ -170,10 +257,56 @@ def phase(args) -> dict:
     return out
 
 
-def _shardsync_trainer(llm, state):
+def _failing_source(state):
+    """The trainer's tensors; ``fail_after_s`` set: its last group raises after that many seconds (a trainer rank
+    that dies mid-sync, after the earlier groups were served)."""
+    from shardsync import ModuleSource
+
+    class FailingSource(ModuleSource):
+        fail_after_s: float | None = None
+
+        def iter_groups(self):
+            groups = list(super().iter_groups())
+            for i, g in enumerate(groups):
+                if self.fail_after_s is not None and i == len(groups) - 1:
+                    time.sleep(self.fail_after_s)
+                    raise RuntimeError("injected: the trainer died mid-sync")
+                yield g
+
+    return FailingSource(state)
+
+
+def _torn_round(llm, send, source, step, last: int) -> dict:
+    """A sync aborted mid-way (other weights), then a complete one of the last version: what the engine serves."""
+    from vllm import SamplingParams
+
+    r: dict = {}
+    step(last + 50)
+    source.fail_after_s = 3.0
+    try:
+        send()
+        r["aborted_sync_error"] = None
+    except Exception as e:  # noqa: BLE001 - recorded, the test asserts on it
+        r["aborted_sync_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    source.fail_after_s = None
+    label = getattr(llm, "get_weight_version", lambda: None)  # vLLM 0.26 labels no versions
+    r["version_after_abort"], r["worker_after_abort"] = label(), llm.collective_rpc(_sync_state)[0]
+    o = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0]
+    r["served_after_abort"] = {"finish_reason": o.finish_reason, "tokens": list(o.token_ids),
+                               "stop_reason": str(o.stop_reason)[:300]}
+    step(last)
+    send()
+    r["version_after_heal"], r["worker_after_heal"] = label(), llm.collective_rpc(_sync_state)[0]
+    return r
+
+
+def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its weight groups hold
+    return worker.weight_transfer_engine.sync_state()
+
+
+def _shardsync_trainer(llm, source):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from shardsync import ModuleSource
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
@@ -181,12 +314,12 @@ def _shardsync_trainer(llm, state):
                                     transport="auto", device="cuda:0")
     t0 = time.perf_counter()
     if compat.vllm_version()[:2] >= (0, 32):
-        eng = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=ModuleSource(state))
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=source)
     else:
         from vllm.config.weight_transfer import WeightTransferConfig
 
         eng = WeightTransferTrainerFactory.trainer_init("shardsync", WeightTransferConfig(backend="shardsync"), info,
-                                                        client=llm, source=ModuleSource(state))
+                                                        client=llm, source=source)
     eng._init_s = time.perf_counter() - t0
     return eng
 
@@ -227,6 +360,10 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--baseline", action="store_true", help="also vLLM's own ipc backend")
     ap.add_argument("--quant", choices=("fp8",), default=None, help="online quantisation of the bf16 checkpoint")
+    ap.add_argument("--checkpoint", choices=("bf16", "fp8-block"), default="bf16",
+                    help="the checkpoint's format (fp8-block: 128x128 block scales, as DeepSeek-V3 ships)")
+    ap.add_argument("--torn", action="store_true", help="then a sync aborted mid-way, then a complete one")
+    ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", choices=("shardsync", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
@@ -239,15 +376,20 @@ def main() -> int:
         return 0
     work = tempfile.mkdtemp(prefix="gpu-vllm-")
     ckpt = build_checkpoint(args.model, os.path.join(work, "v0"))
+    if args.checkpoint == "fp8-block":
+        quantize_block_fp8(ckpt)
     final = os.path.join(work, f"v{args.syncs}")
     _save_version(ckpt, final, args.syncs)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "syncs": args.syncs}
+    res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
+                 "sleep": args.sleep, "syncs": args.syncs}
     phases = [("shardsync", ckpt), ("fresh", final)] + ([("ipc", ckpt)] if args.baseline else [])
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
-               *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else [])]
+               *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else []),
+               *(["--torn"] if args.torn and name == "shardsync" else []),
+               *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
         if p.returncode != 0 or not os.path.exists(out):
             res[name] = {"error": f"exit code {p.returncode}"}
