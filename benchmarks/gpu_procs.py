@@ -79,6 +79,9 @@ def _transport(name: str) -> tuple[str, dict]:
 
 # ------------------------------------------------------------------------------------------------ processes
 def _device(args, gpu: int) -> torch.device:
+    """Producers on GPU0, consumers on GPU1 — or, with one GPU, everyone on GPU0 (colocated)."""
+    if args.device == "cuda":
+        gpu = min(gpu, torch.cuda.device_count() - 1)
     dev = torch.device(f"cuda:{gpu}" if args.device == "cuda" else "cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
