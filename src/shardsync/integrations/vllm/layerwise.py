@@ -31,6 +31,7 @@ from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
 from .fresh import TensorSnapshot, fresh_state
+from .checkpoint_shapes import refuse_foreign_shapes
 from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
 from .processor import find_aliases, restore_live, validate_processing
 
@@ -124,6 +125,7 @@ def check_processing(model: nn.Module, vllm_config, plan: Plan, *, rank: int,
 def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], *, rank: int,
                      consumer: str) -> Plan:
     """Dry-run the model's own ``load_weights`` on recording tensors; live weights untouched."""
+    refuse_foreign_shapes(metadata, vllm_config, rank=rank)
     with vllm_context(vllm_config), checkpoint_format(model):
         tensors = model_tensors(model)
         plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
