@@ -84,39 +84,6 @@ def version_state(base: dict, v: int) -> dict:
             for k, t in base.items()}
 
 
-BLOCK = 128
-
-
-def quantize_block_fp8(ckpt: str) -> None:
-    """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
-    layers (routers excluded) becomes ``float8_e4m3fn`` with a ``weight_scale_inv`` per 128x128 block."""
-    import torch
-    from safetensors.torch import save_file
-
-    state, out = load_state(ckpt), {}
-    for k, t in state.items():
-        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
-            out[k] = t
-            continue
-        n, m = t.shape
-        assert n % BLOCK == 0 and m % BLOCK == 0, (k, t.shape)
-        blocks = t.float().reshape(n // BLOCK, BLOCK, m // BLOCK, BLOCK)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-        out[k] = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m)
-        out[k[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
-    for f in os.listdir(ckpt):
-        if f.endswith(".safetensors") or f.endswith(".index.json"):
-            os.remove(os.path.join(ckpt, f))
-    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": [BLOCK, BLOCK]}
-    with open(os.path.join(ckpt, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-
-
 def load_state(ckpt: str) -> dict:
     from safetensors.torch import load_file
 
@@ -371,7 +338,9 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="gpu-vllm-")
     ckpt = build_checkpoint(args.model, os.path.join(work, "v0"))
     if args.checkpoint == "fp8-block":
-        quantize_block_fp8(ckpt)
+        from shardsync.integrations.vllm.testing.checkpoints import to_block_fp8
+
+        to_block_fp8(ckpt)
     final = os.path.join(work, f"v{args.syncs}")
     _save_version(ckpt, final, args.syncs)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}

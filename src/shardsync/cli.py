@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         from .tools.verify import run_verify
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
-                          validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference)
+                          validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference,
+                          quantization=args.quantization)
     with json_mode(getattr(args, "json", False)):
         return _run(args)
 
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--reference", choices=["fresh", "none"], default="fresh",
                    help="fresh: compare with a second engine started on the new weights (default); none: sync only")
     v.add_argument("--no-validate", action="store_true", help="skip the init-time checks (loaders, processing)")
+    v.add_argument("--quantization", default=None, help="vLLM's online quantisation of both engines (e.g. fp8)")
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     b = sub.add_parser("bench", help="shardsync vs broadcast baseline (and link SoL), side by side, on this machine")
     b.add_argument("--model", default="qwen3-moe-bench")

@@ -125,8 +125,8 @@ class Consumer:
             self.routes = routes.routes
         except BaseException as e:  # tell the coordinator now: init must not wait for this consumer
             try:
-                self.coord.call(m.InitFailed(consumer=self.id, session=self.session, reason=f"{type(e).__name__}: {e}"),
-                                timeout_s=5)
+                why = m.clip(f"{type(e).__name__}: {e}")
+                self.coord.call(m.InitFailed(consumer=self.id, session=self.session, reason=why), timeout_s=5)
             except Exception:
                 pass
             self.heartbeat.stop()
@@ -150,7 +150,7 @@ class Consumer:
     # ------------------------------------------------------------------ sync
     def abandon(self, version: int, reason: str, *, lost_producer: int = -1) -> None:
         """Leave ``version`` (this engine rejected or failed it): no producer waits for us. Best effort."""
-        msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=reason[:2000],
+        msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=m.clip(reason),
                         lost_producer=lost_producer)
         for c in [self.coord, *self.clients.values()]:
             try:

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import msgspec
 
 from ..errors import AuthError, ShardsyncError, TransportError
+from ..transport.admission import MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
 from ..transport.tcp import advertised
-from .messages import Fail, Msg, decode, encode
+from .messages import Fail, Msg, clip, decode, encode
 from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, parse_address, recv_frame,
                    send_frame)
 
@@ -45,7 +46,8 @@ class ControlServer:
 
     def __init__(self, host: str, port: int, token: str, handler: Callable[[Msg], Msg], *,
                  advertise_host: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0, name: str = "control"):
+                 idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0, name: str = "control",
+                 max_pending: int = MAX_PENDING, max_per_source: int = MAX_PER_SOURCE):
         self.token, self.handler, self.name = token, handler, name
         self.max_frame_bytes, self.idle_timeout_s, self.auth_timeout_s = max_frame_bytes, idle_timeout_s, auth_timeout_s
         self._sock = socket.create_server((host, port))
@@ -57,7 +59,12 @@ class ControlServer:
         self._inflight: dict[str, int] = defaultdict(int)
         self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0}
         self.handler_errors = 0
-        self._thread = threading.Thread(target=self._accept, name=f"shardsync-{name}-accept", daemon=True)
+        self.admission = Admission(name, deadline_s=auth_timeout_s, max_pending=max_pending,
+                                   max_per_source=max_per_source)
+        """Unauthenticated connections: capped per server and per source address, one handshake deadline."""
+        self._thread = threading.Thread(target=accept_loop, args=(self._sock, self._closed, self._serve_tracked,
+                                                                  f"shardsync-{name}-conn", self.admission),
+                                        name=f"shardsync-{name}-accept", daemon=True)
         self._thread.start()
 
     def inflight(self, *kinds: str) -> int:
@@ -65,27 +72,19 @@ class ControlServer:
         with self._lock:
             return sum(n for k, n in self._inflight.items() if not kinds or k in kinds)
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if not self._closed.is_set():
-                    log.exception("%s: accept failed; server stops", self.name)
-                return
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # half-open peers are found by the OS
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"shardsync-{self.name}-conn", daemon=True).start()
+    def _serve_tracked(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.add(conn)
+        self._serve(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(self.auth_timeout_s)
             if not handshake_server(conn, self.token):
                 self.refused["token"] += 1
+                self.admission.refuse("token")
                 return
+            self.admission.passed(conn)
             conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
                 try:
@@ -112,6 +111,7 @@ class ControlServer:
         except Exception:  # a bug in this server: say so, never die silently
             log.exception("%s: serving thread failed", self.name)
         finally:
+            self.admission.release(conn)
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -120,14 +120,15 @@ class ControlServer:
         try:
             return self.handler(msg)
         except ShardsyncError as e:
-            return Fail(error=str(e), kind=type(e).__name__)
+            return Fail(error=clip(str(e)), kind=type(e).__name__)
         except Exception as e:  # a handler bug: the caller gets it, and the log has the traceback
             self.handler_errors += 1
             log.exception("%s: handler failed on %s", self.name, type(msg).__name__)
-            return Fail(error=f"{type(e).__name__}: {e}", kind="ShardsyncError")
+            return Fail(error=clip(f"{type(e).__name__}: {e}"), kind="ShardsyncError")
 
     def close(self) -> None:
         self._closed.set()
+        self.admission.close()
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
@@ -192,6 +193,9 @@ class ControlClient:
             except (OSError, ConnectionError, msgspec.DecodeError) as e:
                 self._break()
                 raise TransportError(f"{self.peer} is unreachable ({type(msg).__name__}): {e}") from None
+            except FrameTooLarge as e:  # the stream is out of step now: never read from this socket again
+                self._break()
+                raise TransportError(f"{self.peer} answered {type(msg).__name__} with {e}") from None
         if isinstance(reply, Fail):
             from .. import errors
 

@@ -33,11 +33,25 @@ from ..plan.route import digest_of, holders_from_ownership, route_key, route_pla
 from ..types import ParamMeta, Plan, metadata_digest
 
 
+def _payload(plan: Plan) -> int:
+    """Bytes a plan has producers pack each sync (from its scatters: a plan's own byte counts are not trusted)."""
+    return sum(s.nbytes for g in plan.groups for s in g.scatters)
+
+
+MAX_ROUTED_COPIES = 64
+"""Default bound of all routed plans together, in copies of the model (``ProducerConfig.max_routed_bytes``)."""
+
+
 class Coordinator:
     def __init__(self, *, metadata: Sequence[ParamMeta], n_producers: int, n_consumers: int,
                  max_chunk_bytes: int, timeout_s: float, init_timeout_s: float, lease_s: float,
-                 min_consumers: int | None = None, join_grace_s: float = 30.0):
+                 min_consumers: int | None = None, join_grace_s: float = 30.0,
+                 max_routed_bytes: int | None = None):
         self.metadata = list(metadata)
+        model_bytes = max(sum(x.nbytes for x in self.metadata), 1)
+        self.max_routed_bytes = MAX_ROUTED_COPIES * model_bytes if max_routed_bytes is None else max_routed_bytes
+        """What all routed plans together may carry per sync (each route key's plan counted once): the bound on
+        what producers pack, so the ring. Past it a consumer's plan is refused, naming it."""
         self.digest = metadata_digest(self.metadata)
         self.n_producers, self.n_consumers = n_producers, n_consumers
         self.min_consumers = n_consumers if min_consumers is None else min_consumers
@@ -167,6 +181,7 @@ class Coordinator:
                             "characters, no '@')")
         key = route_key(plan.digest, msg.node)
         with self.cv:
+            self._check_budget(msg.consumer, key, plan)
             self.ms.register(msg.consumer, msg.session, key)
             self.plans.setdefault(plan.digest, plan)
             if self.routes is not None and key not in self.routes:  # a rejoiner with a new plan (or node): route it
@@ -175,6 +190,40 @@ class Coordinator:
             self._wait(lambda: self.routes is not None, self._missing, self.init_timeout_s, init=True)
             assert self.routes is not None  # internal invariant: _wait returned after routing
             return m.Routes(routes=self.routes[key])
+
+    def _keys(self) -> set[str]:
+        """Route keys in use: routed ones, and (before routing) registered consumers'."""
+        if self.routes is not None:
+            return set(self.routes)
+        return {e.digest for e in self.ms.consumers.values() if e.digest is not None}
+
+    def _check_budget(self, consumer: str, key: str, plan: Plan) -> None:
+        keys = self._keys()
+        if key in keys:
+            return
+        self._prune_routes()
+        keys = self._keys()
+        total = sum(_payload(self.plans[digest_of(k)]) for k in keys if digest_of(k) in self.plans) + _payload(plan)
+        if total > self.max_routed_bytes:
+            raise PlanError(f"consumer {consumer!r}: its plan ({_payload(plan)} bytes a sync) would make the group's "
+                            f"routed plans carry {total} bytes a sync ({len(keys) + 1} route keys), over the budget of "
+                            f"{self.max_routed_bytes} (ProducerConfig.max_routed_bytes)")
+
+    def _prune_routes(self) -> None:
+        """Drop the route keys (and plans) no live consumer uses any more: producers stop packing for consumers that
+        left (they re-fetch their assignments: the epoch moves)."""
+        if self.routes is None:
+            return
+        live = {e.digest for e in self.ms.consumers.values() if e.digest is not None}
+        stale = [k for k in self.routes if k not in live]
+        if not stale:
+            return
+        for k in stale:
+            del self.routes[k]
+        used = {digest_of(k) for k in self.routes}
+        for d in [d for d in self.plans if d not in used]:
+            del self.plans[d]
+        self.epoch += 1
 
     def _prefer(self, keys) -> dict[str, frozenset[int]]:
         """Route key -> the producers on that key's node (rule 5 of ``plan/route.py``)."""
@@ -272,6 +321,9 @@ class Coordinator:
                 self.ms.check(msg.consumer, msg.session)
             else:
                 self.ms.producer(msg.rank, msg.incarnation)
+            if msg.version not in self.ms.versions:  # a new version: nothing is packed for consumers that left
+                self.ms.expire()
+                self._prune_routes()
             v = self.ms.begin(msg.version, self.epoch)
             self.cv.notify_all()
             members = {c: list(ds) for c, ds in v.members.items()}

@@ -25,12 +25,20 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import AuthError, ConsumerDropped
+from ..errors import AuthError, ConsumerDropped, SyncError
+from .messages import clip
 
 __all__ = ["Membership"]
 
 _KEEP_DEAD = 4096
 _KEEP_VERSIONS = 16
+AHEAD = 4
+"""How far past the newest begun version a consumer may abandon (it abandons the version it is in, or the next)."""
+VIEW_MAX = 512
+"""Most entries of each table a ``Lease`` reply carries (the newest): a reply stays small however many peers were
+dropped, whatever they sent (reasons are clipped on receipt, ``messages.MAX_REASON``)."""
+VIEW_REASON = 256
+"""Reasons in a ``Lease`` reply are cut to this many characters (the coordinator's log and outcomes keep more)."""
 
 
 @dataclass
@@ -103,19 +111,25 @@ class Membership:
         c = self.consumers.get(cid)
         if c is not None and c.session == session:
             if c.digest is None:
-                self.failed_init[cid] = reason
+                self.failed_init[cid] = clip(reason)
+                while len(self.failed_init) > _KEEP_DEAD:
+                    self.failed_init.pop(next(iter(self.failed_init)))
             self._drop(cid, session, reason)
 
     def abandon(self, version: int, cid: str, session: str, reason: str) -> None:
         """A consumer left one version (its engine rejected or failed it); it stays a member otherwise."""
         self.check(cid, session)
-        self.left[(version, cid, session)] = reason
+        last = self._last_version()
+        if not last - _KEEP_VERSIONS < version <= last + AHEAD:
+            raise SyncError(f"consumer {cid!r} abandoned version {version}: only versions {last - _KEEP_VERSIONS + 1}"
+                            f"..{last + AHEAD} can be abandoned now")
+        self.left[(version, cid, session)] = clip(reason)
         while len(self.left) > _KEEP_DEAD:
             self.left.popitem(last=False)
 
     def _drop(self, cid: str, session: str, reason: str) -> None:
         self.consumers.pop(cid, None)
-        self.dead[(cid, session)] = reason
+        self.dead[(cid, session)] = clip(reason)
         while len(self.dead) > _KEEP_DEAD:
             self.dead.popitem(last=False)
 
@@ -176,7 +190,7 @@ class Membership:
     def fail_version(self, version: int, reason: str) -> None:
         v = self.versions.get(version)
         if v is not None and v.failed is None:
-            v.failed = reason
+            v.failed = clip(reason)
 
     def outcome(self, version: int) -> dict[str, Any]:
         """Who completed ``version``, who was dropped from it (and why), whether it failed; ``done`` once every
@@ -192,8 +206,15 @@ class Membership:
         return {"done": done, "completed": sorted(v.completed), "dropped": dropped, "failed": v.failed or ""}
 
     def lease_view(self) -> dict[str, Any]:
+        """What every heartbeat's reply carries: the newest ``VIEW_MAX`` drops, the abandons of versions still
+        tracked (the last ``_KEEP_VERSIONS``), failed versions — each reason cut to ``VIEW_REASON``."""
         self.expire()
-        return {"dead": [[c, s, why] for (c, s), why in self.dead.items()],
-                "dead_producers": {r: list(d) for r, d in self.dead_producers.items()},
-                "left": [[v, c, s, why] for (v, c, s), why in self.left.items()],
-                "failed": {n: v.failed for n, v in self.versions.items() if v.failed}}
+        dead = list(self.dead.items())[-VIEW_MAX:]
+        left = [e for e in self.left.items() if e[0][0] in self.versions or e[0][0] > self._last_version()]
+        return {"dead": [[c, s, clip(why, VIEW_REASON)] for (c, s), why in dead],
+                "dead_producers": {r: [d[0], clip(d[1], VIEW_REASON)] for r, d in self.dead_producers.items()},
+                "left": [[v, c, s, clip(why, VIEW_REASON)] for (v, c, s), why in left[-VIEW_MAX:]],
+                "failed": {n: clip(v.failed, VIEW_REASON) for n, v in self.versions.items() if v.failed}}
+
+    def _last_version(self) -> int:
+        return next(reversed(self.versions), 0) if self.versions else 0

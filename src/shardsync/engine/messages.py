@@ -12,6 +12,12 @@ and serves them over the authenticated framing of ``wire.py``). Who sends what:
 - a rendezvous (how a group finds its coordinator, ``integrations/verl``): ``Lookup``/``Published``;
 - any request may be answered ``Ack`` or ``Fail`` (a typed error, re-raised by the client).
 
+Every string a peer sends is bounded where it is received: identifiers (consumer ids, sessions, node and group
+names, tensor names) by a length limit checked at decode (an oversized one is a ``msgspec.ValidationError``: the
+frame is refused and the connection closed); free text (reasons, errors) is clipped to ``MAX_REASON`` characters on
+decode (``__post_init__``), so a long traceback still arrives, shortened, and an attacker's 90 MB reason is stored
+as 2 KB. Lists a peer sends are bounded by the frame limit and, where stored, by the receiver's own tables.
+
 A message acting for a consumer carries the session credential the coordinator issued at ``Hello``::
 
     payload = encode(Released(consumer="r0/tp1", session=s, version=3, group="model.layers.7"))
@@ -20,20 +26,41 @@ A message acting for a consumer carries the session credential the coordinator i
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
 from ..errors import TransportError
 
-__all__ = ["Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
+__all__ = ["MAX_ID", "MAX_REASON", "clip", "Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
            "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
            "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
 
 
+MAX_ID = 512
+"""Longest identifier (consumer id, session, node, group, digest) a message may carry."""
+MAX_NAME = 1024
+"""Longest tensor name."""
+MAX_REASON = 2048
+"""Free text (a reason, an error) is clipped to this many characters when it is decoded (and when it is sent)."""
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+_TEXT = ("reason", "error", "failed")
+
+
+def clip(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    text = str(text)
+    return text if len(text) <= limit else f"{text[: limit - 40]} ... [{len(text) - limit + 40} chars cut]"
+
+
 class _M(msgspec.Struct, tag=True, kw_only=True):
-    pass
+    def __post_init__(self) -> None:
+        for f in _TEXT:
+            v = getattr(self, f, None)
+            if isinstance(v, str) and len(v) > MAX_REASON:
+                setattr(self, f, clip(v))
 
 
 class Ack(_M):
@@ -42,16 +69,16 @@ class Ack(_M):
 
 class Fail(_M):
     error: str
-    kind: str = "ShardsyncError"
+    kind: Id = "ShardsyncError"
 
 
 # ---------------------------------------------------------------- producers <-> coordinator
 class Join(_M):
     rank: int
     address: list[Any]
-    held: list[str] | None
-    meta_digest: str
-    node: str = ""
+    held: list[Name] | None
+    meta_digest: Id
+    node: Id = ""
     """Where this producer runs (a Ray node id, a hostname): consumers on the same node are routed to it first."""
 
 
@@ -88,11 +115,11 @@ class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
 
 # ---------------------------------------------------------------- consumers <-> coordinator
 class Hello(_M):
-    consumer: str
+    consumer: Id
 
 
 class Welcome(_M):
-    session: str
+    session: Id
     """This consumer's credential: every later message acting for it must carry it."""
     metadata: list[dict[str, Any]]
     held: list[list[str] | None]
@@ -101,16 +128,16 @@ class Welcome(_M):
 
 
 class InitFailed(_M):
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     reason: str
 
 
 class RegisterPlan(_M):
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     plan: bytes
-    node: str = ""
+    node: Id = ""
     """Where this consumer runs: with a node, its plan is routed for that node (same-node producers first)."""
 
 
@@ -122,8 +149,8 @@ class BeginSync(_M):  # from a producer (rank >= 0) or a consumer (consumer != "
     version: int
     rank: int = -1
     incarnation: int = 0
-    consumer: str = ""
-    session: str = ""
+    consumer: Id = ""
+    session: Id = ""
 
 
 class SyncView(_M):
@@ -137,8 +164,8 @@ class SyncView(_M):
 
 
 class Completed(_M):  # consumer -> coordinator: it holds this version, every group applied
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     version: int
 
 
@@ -157,8 +184,8 @@ class Outcome(_M):
 
 
 class Renew(_M):  # heartbeat: a consumer (consumer, session) or a producer (rank, incarnation)
-    consumer: str = ""
-    session: str = ""
+    consumer: Id = ""
+    session: Id = ""
     rank: int = -1
     incarnation: int = 0
 
@@ -176,12 +203,12 @@ class Lease(_M):
 
 # ---------------------------------------------------------------- consumers <-> producers
 class WaitReady(_M):
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     version: int
-    group: str
+    group: Id
     """A given group ("" = the next one this producer has packed for the consumer and it has not released)."""
-    after: str = ""
+    after: Id = ""
     """With ``group=""``: the next such group packed after this one (a consumer asks for group g+1 while it still
     reads g). Idempotent: asked again with the same ``after``, the answer is the same group."""
 
@@ -192,21 +219,21 @@ class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep 
 
 class Ready(_M):
     version: int
-    group: str
+    group: Id
     chunks: list[list[int]]
     """[[chunk index, offset in the producer's registered buffer, nbytes, checksum or -1], ...]."""
 
 
 class Released(_M):
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     version: int
-    group: str
+    group: Id
 
 
 class Abandon(_M):  # a consumer leaves one version (its engine rejected or failed it): not waited for
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
     version: int
     reason: str
     lost_producer: int = -1
@@ -214,12 +241,12 @@ class Abandon(_M):  # a consumer leaves one version (its engine rejected or fail
 
 
 class Goodbye(_M):  # a consumer leaves for good
-    consumer: str
-    session: str
+    consumer: Id
+    session: Id
 
 
 class Evict(_M):  # an orchestrator saw these consumers' engine die (Ray actor death): drop them now, not at lease end
-    consumers: list[str]
+    consumers: list[Id]
     reason: str
 
 

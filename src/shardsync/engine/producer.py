@@ -48,13 +48,20 @@ from ..sources.adapt import adapt
 from ..transport import Transport, make_transport
 from ..types import dtype_of, metadata_digest
 
+EARLY_ABANDON_AHEAD = 4
+"""An Abandon may come at most this many versions before this rank begins it (a consumer leaves the version it is
+in, or the next one)."""
+EARLY_ABANDON_MAX = 4096
+"""Abandons held for versions not begun yet, in all."""
+
 
 @dataclass
 class ProducerConfig:
     rank: int
     n_producers: int
     n_consumers: int
-    token: str
+    token: str = field(repr=False)
+    """The group's shared secret (never in ``repr``, logs or errors)."""
     host: str = "127.0.0.1"
     """Interface the control server (and the tcp transport) bind to."""
     advertise_host: str | None = None
@@ -76,6 +83,10 @@ class ProducerConfig:
     min_consumers: int | None = None
     """Init quorum (default: all ``n_consumers``); with fewer, init proceeds after ``join_grace_s``."""
     join_grace_s: float = 30.0
+    max_routed_bytes: int | None = None
+    """Rank 0: what all consumers' routed plans together may carry a sync (None: 64 copies of the model). A plan
+    past it is refused at its registration, naming the consumer: no buggy or hostile engine grows the rings (trainer
+    memory, GPU memory with ``device``) without bound. Plans of consumers that left are pruned at the next version."""
     verify_checksums: bool = False
     """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
@@ -104,14 +115,17 @@ class Producer(ServedVersions):
         self.coordinator = Coordinator(
             metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
-            lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s) \
+            lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s,
+            max_routed_bytes=cfg.max_routed_bytes) \
             if cfg.rank == 0 else None
         self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
                                     max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
         self.address = self.server.address
         self.cv = threading.Condition()
         self.versions: dict[int, VersionState] = {}
-        self.abandoned: dict[int, dict[str, str]] = defaultdict(dict)  # before this rank began the version
+        self.abandoned: dict[int, dict[str, tuple[str, str]]] = defaultdict(dict)
+        """version -> consumer -> (session, reason): Abandons that came before this rank began the version; applied
+        at its begin only where the session is the member's (checked then: this rank has no table before)."""
         self.epoch = -1
         self.ring: torch.Tensor | None = None
         self.heartbeat: Heartbeat | None = None
@@ -147,7 +161,7 @@ class Producer(ServedVersions):
                 if st is None:
                     if isinstance(msg, m.Released):
                         raise SyncError(f"producer {self.cfg.rank}: release for version {msg.version}, not begun")
-                    self.abandoned[msg.version][msg.consumer] = msg.reason  # checked when the version begins
+                    self._early_abandon(msg)
                     return m.Ack()
                 self._member(st, msg.consumer, msg.session, msg.version)
                 if isinstance(msg, m.Released):
@@ -160,6 +174,17 @@ class Producer(ServedVersions):
                 self.cv.notify_all()
             return m.Ack()
         raise SyncError(f"producer {self.cfg.rank}: unexpected message {type(msg).__name__}")
+
+    def _early_abandon(self, msg: m.Abandon) -> None:
+        """An Abandon for a version this rank has not begun: kept (bounded) until it begins."""
+        last = max(self.versions, default=0)
+        if not last < msg.version <= last + EARLY_ABANDON_AHEAD:
+            raise SyncError(f"producer {self.cfg.rank}: abandon of version {msg.version} by {msg.consumer!r}: only "
+                            f"versions {last + 1}..{last + EARLY_ABANDON_AHEAD} can be abandoned before they begin")
+        if sum(map(len, self.abandoned.values())) >= EARLY_ABANDON_MAX and msg.consumer not in \
+                self.abandoned.get(msg.version, {}):
+            raise SyncError(f"producer {self.cfg.rank}: {EARLY_ABANDON_MAX} early abandons held already")
+        self.abandoned[msg.version][msg.consumer] = (msg.session, m.clip(msg.reason))
 
     # ------------------------------------------------------------------ init
     def init(self) -> None:
@@ -276,8 +301,9 @@ class Producer(ServedVersions):
             st = self.versions[version] = VersionState(
                 {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
                 incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
-            for c, why in self.abandoned.pop(version, {}).items():
-                self._drop(st, c, f"abandoned version {version}: {why}")
+            for c, (session, why) in self.abandoned.pop(version, {}).items():
+                if st.members.get(c, ("", ""))[1] == session:  # a forged one (wrong session) is ignored
+                    self._drop(st, c, f"abandoned version {version}: {why}")
             for old in [v for v in self.versions if v < version - 4]:
                 del self.versions[old]
             for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin

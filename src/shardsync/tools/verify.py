@@ -26,7 +26,7 @@ from ..source import ModuleSource
 
 def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = True, seed: int = 1,
                   version: int = 1, corrupt: bool = False, reference: str = "fresh",
-                  result: dict | None = None) -> dict:
+                  result: dict | None = None, quantization: str | None = None) -> dict:
     """Run the verification on an already started engine. ``corrupt`` flips one byte of what rank 0
     receives (a self-test: the comparison must then fail). ``reference``: ``fresh`` (a second engine on
     the new weights) or ``none`` (sync only)."""
@@ -86,7 +86,7 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
             result["exact"] = None
             return result
         ref = fresh_reference(model_dir, full, tp=tp, ep=ep, out_dir=os.path.join(plan_dir, "ref"),
-                              can_generate=can_generate)
+                              can_generate=can_generate, **({"quantization": quantization} if quantization else {}))
         n, mism = compare_with(synced, ref.paths)
         result["params_compared"] = n
         result["mismatched"] = mism
@@ -101,17 +101,19 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
 
 
 def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as_json: bool = False,
-               validate: bool = True, corrupt: bool = False, reference: str = "fresh") -> int:
+               validate: bool = True, corrupt: bool = False, reference: str = "fresh",
+               quantization: str | None = None) -> int:
     cpu_env(tp)
     from vllm import LLM
 
     result: dict = {"model": os.path.basename(os.path.normpath(model_dir)), "tp": tp, "ep": expert_parallel,
-                    "exact": False}
+                    "quantization": quantization, "exact": False}
     llm = None
     try:
-        llm = LLM(**engine_kwargs(model_dir, tp, expert_parallel))
+        llm = LLM(**engine_kwargs(model_dir, tp, expert_parallel,
+                                  **({"quantization": quantization} if quantization else {})))
         verify_engine(llm, model_dir, tp=tp, ep=expert_parallel, validate=validate, corrupt=corrupt,
-                      reference=reference, result=result)
+                      reference=reference, result=result, quantization=quantization)
     except Exception as e:  # a clear message, not only vLLM's worker traceback
         result["error"] = worker_error(e)
         if os.environ.get("SHARDSYNC_DEBUG"):

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from .base import Caps, check_range, poll
-from .tcp import accept_loop, advertised, recv_exact, send_token, token_ok
+from .admission import Admission, accept_loop
+from .tcp import advertised, recv_exact, send_token, token_ok
 
 __all__ = ["NcclTransport"]
 
@@ -112,8 +113,9 @@ class NcclTransport:
                                     wait_for_workers=False)
         self._server = socket.create_server((self.host, 0))
         self._server.settimeout(0.2)
-        threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-nccl-serve"),
-                         name="shardsync-nccl-accept", daemon=True).start()
+        self.admission = Admission("nccl-serve", deadline_s=self.auth_timeout_s)
+        threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-nccl-serve",
+                                                   self.admission), name="shardsync-nccl-accept", daemon=True).start()
         return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1],
                 "store_port": self._store.port, "nbytes": buf.numel(), "backend": self.backend,
                 "device": str(buf.device)}
@@ -128,6 +130,7 @@ class NcclTransport:
                 if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
                     return
                 key = recv_exact(conn, _KEY).decode()
+                self.admission.passed(conn)
                 pg = _pair_group(self.backend, self._store, key, 0, self.connect_timeout_s)
                 self._served.append((conn, pg))
                 conn.settimeout(None)
@@ -146,9 +149,12 @@ class NcclTransport:
                 log.exception("nccl transport: serving thread failed")
                 if pg is not None:
                     _abort(pg)
+            finally:
+                self.admission.release(conn)
 
     def _refuse(self) -> None:
         self.refused += 1
+        self.admission.refuse("token")
 
     # ------------------------------------------------------------ consumer
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
@@ -204,6 +210,8 @@ class NcclTransport:
 
     def close(self) -> None:
         self._closed.set()
+        if getattr(self, "admission", None) is not None:
+            self.admission.close()
         if self._server is not None:
             self._server.close()
         for p in list(self._peers):

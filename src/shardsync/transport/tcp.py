@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import TransportError
+from .admission import Admission, accept_loop
 from .base import Caps, check_range
 
 _REQ = struct.Struct("!QQ")  # offset, nbytes
@@ -53,21 +54,6 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
             raise ConnectionError("peer closed the connection")
         got += k
     return None if into is not None else bytes(buf)
-
-
-def accept_loop(server: socket.socket, closed: threading.Event, serve: Any, name: str) -> None:
-    """Accept connections until ``closed`` (the server socket has a short timeout), each served on its own thread."""
-    while not closed.is_set():
-        try:
-            conn, _ = server.accept()
-        except socket.timeout:
-            continue
-        except OSError:
-            if not closed.is_set():
-                log.exception("%s: accept failed; serving stops", name)
-            return
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        threading.Thread(target=serve, args=(conn,), name=name, daemon=True).start()
 
 
 def token_ok(conn: socket.socket, token: str, timeout_s: float, on_refused: Any = None) -> bool:
@@ -102,6 +88,7 @@ class TcpTransport:
         self.advertise_host = advertise_host
         self.idle_timeout_s, self.auth_timeout_s = idle_timeout_s, auth_timeout_s
         self.refused = 0
+        self.admission = Admission("tcp-serve", deadline_s=auth_timeout_s)
         self._server: socket.socket | None = None
         self._buf: torch.Tensor | None = None
         self._peers: dict[int, socket.socket] = {}
@@ -117,8 +104,8 @@ class TcpTransport:
         self._buf = buf
         self._server = socket.create_server((self.host, self.port))
         self._server.settimeout(0.2)
-        t = threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-tcp-serve"),
-                             name="shardsync-tcp-accept", daemon=True)
+        t = threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-tcp-serve",
+                                                       self.admission), name="shardsync-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
         return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1], "nbytes": buf.numel()}
@@ -130,6 +117,7 @@ class TcpTransport:
             try:
                 if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
                     return
+                self.admission.passed(conn)
                 conn.settimeout(self.idle_timeout_s)
                 while not self._closed.is_set():
                     off, n = _REQ.unpack(recv_exact(conn, _REQ.size))
@@ -142,9 +130,12 @@ class TcpTransport:
                 return  # peer gone, idle, or closing
             except Exception:  # never die silently
                 log.exception("tcp transport: serving thread failed")
+            finally:
+                self.admission.release(conn)
 
     def _refuse(self) -> None:
         self.refused += 1
+        self.admission.refuse("token")
 
     # ------------------------------------------------------------ consumer
     def connect(self, producer: int, desc: dict[str, Any], *, timeout_s: float = 30.0) -> None:
@@ -195,6 +186,7 @@ class TcpTransport:
 
     def close(self) -> None:
         self._closed.set()
+        self.admission.close()
         if self._server is not None:
             self._server.close()
         for s in self._peers.values():

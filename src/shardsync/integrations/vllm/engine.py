@@ -74,7 +74,7 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     coordinator: list[Any] | None = None
     """Address [host, port] of producer 0's control server. Workers learn the metadata from it, register
     their plans, and pull every sync from the producers (no data through the driver)."""
-    token: str = ""
+    token: str = field(default="", repr=False)
     transport: str = "tcp"
     transport_kwargs: dict[str, Any] = field(default_factory=dict)
     recv_device: str = "auto"

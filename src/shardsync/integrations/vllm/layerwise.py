@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ...plan.coverage import check_coverage
-from ...errors import CoverageError, PlanError, SyncError, UnsupportedLoaderOp
+from ...errors import CoverageError, PlanError, ShardsyncError, SyncError, UnsupportedLoaderOp
 from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
 from .fresh import TensorSnapshot, fresh_state
-from .checkpoint_shapes import refuse_foreign_shapes
+from .checkpoint_shapes import engine_checkpoint, refuse_foreign_shapes
 from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
 from .processor import find_aliases, restore_live, validate_processing
 
@@ -130,7 +130,7 @@ def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta
         tensors = model_tensors(model)
         plan = record_plan(metadata=metadata, load_weights=model.load_weights, params=tensors,
                            consumer=consumer, rank=rank, device=_device_of(model), allow_fallback=True)
-        _require_coverage(plan, tensors, rank)
+        _require_coverage(plan, tensors, rank, lambda: _checkpoint_plan(model, vllm_config, tensors, rank, consumer))
         unwritten = _unwritten_modules(model, tensors, plan)
     _refuse_unwritten(model, plan, unwritten, rank)
     _refuse_deferred_attention(model, plan, rank)
@@ -165,18 +165,38 @@ def _refuse_unwritten(model: nn.Module, plan: Plan, unwritten: dict[str, list[st
                             "the trainer's tensors lack them, or their names do not map to them")
 
 
-def _require_coverage(plan: Plan, tensors: dict, rank: int) -> None:
+def _require_coverage(plan: Plan, tensors: dict, rank: int, reference=None) -> None:
     """Every tensor a sync materialises (the checkpoint-format tensors of each module the plan writes)
-    must be written in full by the plan: anything else would be processed from uninitialised memory."""
+    must be written in full by the plan: anything else would be processed from uninitialised memory — unless
+    loading the engine's own checkpoint (``reference()``: its plan, or None) leaves it just as unwritten: then
+    first-load processing computes it (FP8 online quantisation's ``weight_scale``), as at every sync."""
     mods = set(written_modules(plan))
     by_loader = {d for f in plan.fallback for d in f.dests}  # written whole by the real loader at sync time
     fresh = {n: t for n, t in tensors.items() if _module_of(n)[0] in mods and t.is_meta and t.numel()
              and n not in by_loader}
     report = check_coverage(plan, fresh)
+    if report.missing or report.partial:
+        ref_plan = reference() if reference is not None else None
+        if ref_plan is not None:
+            ref = check_coverage(ref_plan, {n: fresh[n] for n in (*report.missing, *report.partial)})
+            computed = {*ref.missing, *(n for n, c in ref.partial.items() if report.partial.get(n) == c)}
+            report = check_coverage(plan, {n: t for n, t in fresh.items() if n not in computed})
     try:
         report.raise_if_incomplete()
     except CoverageError as e:
         raise CoverageError(f"rank {rank}: {e} — the trainer's tensors do not fill these engine tensors") from None
+
+
+def _checkpoint_plan(model: nn.Module, vllm_config, tensors: dict, rank: int, consumer: str) -> Plan | None:
+    """What loading the engine's own checkpoint writes (a dry run on its headers' metadata), or None."""
+    ref = engine_checkpoint(vllm_config)
+    if ref is None:
+        return None
+    try:
+        return record_plan(metadata=list(ref[1].values()), load_weights=model.load_weights, params=tensors,
+                           consumer=consumer, rank=rank, device=_device_of(model), allow_fallback=True)
+    except ShardsyncError:  # no reference: the trainer's coverage stands alone
+        return None
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
@@ -51,7 +51,7 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     all TP ranks), so ``world_size - 1`` workers must register before the first sync."""
     n_producers: int | None = None
     """Trainer ranks that call ``trainer_init`` (default: torch.distributed's world size, else 1)."""
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     """Shared secret of the transfer group (default: random, sent to the other trainer ranks via torch.distributed
     and to the workers in their init info)."""
     bind_host: str | None = None

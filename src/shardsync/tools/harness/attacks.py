@@ -62,8 +62,10 @@ def wire_attack(kind: str, coordinator: list, token: str, metadata_cid: str = "a
     raise ValueError(kind)
 
 
-def forged_plan(metadata: list[dict], cid: str, forge: str):
-    """A sealed plan that passes the digest check but asks for a forbidden op or an out-of-bounds view."""
+def forged_plan(metadata: list[dict], cid: str, forge: str, times: int = 60):
+    """A sealed plan that passes the digest check but asks for a forbidden op or an out-of-bounds view — or
+    (``amplify``, allowed on its own) repeats the first tensor ``times`` times, under the per-plan expansion bound:
+    many such plans together are what the group's routed-bytes budget refuses."""
     from ...types import GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, metadata_digest
 
     metas = [ParamMeta.from_dict(d) for d in metadata]
@@ -78,6 +80,9 @@ def forged_plan(metadata: list[dict], cid: str, forge: str):
     elif forge == "out_of_bounds":  # a view that starts where the tensor ends
         s = Scatter(ops=(), view=StridedView(offset=n, shape=(n,), stride=(1,)), shape=(n,), dst_stride=(1,),
                     **common)
+    elif forge == "amplify":  # the whole tensor, ``times`` times over (a stride-0 outer dimension)
+        s = Scatter(ops=(), view=StridedView(offset=0, shape=(times, n), stride=(0, 1)), shape=(times, n),
+                    dst_stride=(n, 1), **common)
     else:  # huge: an in-bounds stride-0 view of 2^40 elements (terabytes of ring if it were believed)
         s = Scatter(ops=(), view=StridedView(offset=0, shape=(1 << 40,), stride=(0,)), shape=(1 << 40,),
                     dst_stride=(1,), **common)

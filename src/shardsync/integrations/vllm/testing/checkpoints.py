@@ -77,6 +77,43 @@ def with_architecture(src_dir: str, out_dir: str, arch: str) -> str:
     return out_dir
 
 
+FP8_BLOCK = 128
+
+
+def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
+    """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
+    layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per ``block`` x
+    ``block`` tile; ``config.json`` gets the matching ``quantization_config``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state, out = load_checkpoint(ckpt), {}
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for k, t in state.items():
+        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
+            out[k] = t
+            continue
+        n, m = t.shape
+        if n % block or m % block:
+            raise ValueError(f"{k}: shape {list(t.shape)} is not a multiple of the {block}x{block} FP8 block")
+        tiles = t.float().reshape(n // block, block, m // block, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
+        out[k] = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m)
+        out[k[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
+        os.remove(f)
+    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [block, block]}
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return ckpt
+
+
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -97,7 +134,14 @@ def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
         if t.dtype.is_floating_point:
             n1 = torch.randn(t.shape, generator=g)
             n2 = torch.randn(t.shape, generator=g)
-            out[name] = (t.float() * (1 + 0.1 * n1) + 0.01 * n2).to(t.dtype)
+            if name.endswith("scale_inv"):  # block-FP8 scales stay positive
+                out[name] = (t.float() * (1 + 0.05 * n1.clamp(-1, 1))).to(t.dtype)
+                continue
+            new = t.float() * (1 + 0.1 * n1) + 0.01 * n2
+            if t.element_size() == 1:  # FP8: casts do not saturate (out of range is NaN)
+                lim = torch.finfo(t.dtype).max
+                new = new.clamp(-lim, lim)
+            out[name] = new.to(t.dtype)
         elif t.dtype == torch.int8:
             step = torch.randint(-1, 2, t.shape, generator=g, dtype=torch.int16)
             out[name] = (t.to(torch.int16) + step).clamp(-128, 127).to(torch.int8)

@@ -53,6 +53,8 @@ def _config(family: str):
         return tf.Qwen3Config(head_dim=32, intermediate_size=128, **c)
     if family == "int8_w8a8":
         return tf.LlamaConfig(intermediate_size=128, **c)
+    if family == "qwen3_fp8_block":  # every linear a multiple of the 128x128 FP8 block
+        return tf.Qwen3Config(**{**c, "hidden_size": 256}, head_dim=64, intermediate_size=256)
     if family == "mamba2":
         return tf.Mamba2Config(hidden_size=128, num_hidden_layers=2, vocab_size=512, state_size=16, expand=2,
                                head_dim=32, num_heads=8, n_groups=1, chunk_size=64, tie_word_embeddings=False)
@@ -118,12 +120,19 @@ def build(family: str, out_dir: str, *, seed: int = 0) -> str:
     model.save_pretrained(out_dir, safe_serialization=True)
     if family == "int8_w8a8":
         _quantize_int8(out_dir)
+    if family == "qwen3_fp8_block":
+        from .checkpoints import to_block_fp8
+
+        to_block_fp8(out_dir)
     return out_dir
 
 
 FAMILIES = ("mixtral", "qwen2_moe", "llama4", "deepseek", "gpt_oss", "qwen3_tied", "int8_w8a8", "mamba2",
             "falcon_h1")
 CANNOT_LOAD: dict[str, str] = {
+    "qwen3_fp8_block": "CPU vLLM 0.32 builds no linear layer for a block-FP8 checkpoint: 'ValueError: Failed to find a "
+                       "kernel that can implement the ScaledMM linear layer' at model init. On the GPU (vLLM 0.26, "
+                       "H200) the same checkpoint syncs exactly (tests/test_gpu_vllm.py, fp8-block).",
     "jamba": "vLLM builds the engine, but the first generate fails in the Mamba1 mixer "
              "(vllm/model_executor/layers/mamba/mamba_mixer.py). With mamba_d_conv=4 the bf16 conv1d weight "
              "is prepacked to 2-D on AVX512-BF16 CPUs (layers/utils.py dispatch_cpu_unquantized_gemm) and "

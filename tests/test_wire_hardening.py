@@ -1,0 +1,276 @@
+"""Hardening II: no unauthenticated peer, buggy engine or hostile token holder stops, bloats or hangs the group.
+
+Each attack runs against real sockets (a producer and zoo consumers as threads of this process, or a server in a
+child process with a lowered file limit), and a legitimate call or sync beside it must still complete — exact:
+
+* accept loops survive ``EMFILE`` and other transient errors (and go on serving once the flood has left);
+* idle unauthenticated connections are capped (the oldest is cut) and a legitimate client still gets through;
+* a handshake dripped a byte at a time is cut at ONE wall-clock deadline;
+* 90 MB reasons are clipped where received; heartbeat replies stay small whatever was sent;
+* a forged ``Abandon`` (wrong session) sent to a producer of rank >= 1 drops nobody; ones for far versions are refused;
+* plans of consumers that left are pruned, and all routed plans together have a budget (naming the consumer);
+* the token never shows in a ``repr``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from shardsync.engine import messages as m
+from shardsync.engine.control import ControlClient, ControlServer
+from shardsync.engine.producer import Producer, ProducerConfig
+from shardsync.errors import PlanError, SyncError
+from shardsync.tools.harness.attacks import forged_plan
+from shardsync.transport.admission import Admission, accept_loop
+from test_wire import CFG, TOKEN, _catch, _Source, _start, _sync, _Zoo
+from shardsync.zoo import hf_state_dict
+
+
+def _ack(msg: m.Msg) -> m.Msg:
+    return m.Ack()
+
+
+def _wait_for(pred, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pred()
+
+
+# ------------------------------------------------------------------------------------------- accept loops
+def test_the_accept_loop_survives_emfile_and_other_transient_errors() -> None:
+    a, b = socket.socketpair()
+
+    class Flaky:  # a listening socket out of file descriptors, then reset connections, then a good one
+        n = 0
+
+        def accept(self):
+            self.n += 1
+            if self.n <= 3:
+                raise OSError(errno.EMFILE, "Too many open files")
+            if self.n == 4:
+                raise OSError(errno.ECONNABORTED, "Software caused connection abort")
+            if self.n == 5:
+                return a, ("127.0.0.1", 1)
+            time.sleep(0.01)
+            raise socket.timeout()
+
+    served: list = []
+    closed, adm = threading.Event(), Admission("flaky")
+    th = threading.Thread(target=accept_loop, args=(Flaky(), closed, served.append, "flaky", adm), daemon=True)
+    th.start()
+    assert _wait_for(lambda: served == [a]), served
+    closed.set()
+    th.join(5)
+    adm.close()
+    assert not th.is_alive() and adm.refused["accept_error"] == 4, dict(adm.refused)
+    a.close(), b.close()
+
+
+EMFILE_SERVER = r"""
+import json, os, resource, sys
+from shardsync.engine import messages as m
+from shardsync.engine.control import ControlServer
+srv = ControlServer("127.0.0.1", 0, "tok", lambda msg: m.Ack(), auth_timeout_s=30.0, name="emfile",
+                    max_pending=100000, max_per_source=100000)   # no caps: this process runs out of descriptors
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 12, hard))
+print(json.dumps(srv.address), flush=True)
+sys.stdin.readline()
+print(json.dumps(dict(srv.admission.refused)), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.procs
+def test_a_server_out_of_file_descriptors_serves_again_once_the_flood_leaves() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", EMFILE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        addr = json.loads(proc.stdout.readline())
+        flood = [socket.create_connection(tuple(addr), timeout=5) for _ in range(60)]  # idle, never authenticate
+        time.sleep(1.5)  # the server's accept has failed with EMFILE by now (backing off, not stopping)
+        for s in flood:
+            s.close()
+        time.sleep(0.5)
+        c = ControlClient(addr, "tok", peer="emfile server")  # a legitimate client, after the flood
+        assert isinstance(c.call(m.Renew(), timeout_s=10), m.Ack)
+        c.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        refused = json.loads(proc.stdout.readline())
+        assert refused.get("accept_error", 0) > 0, refused  # it did run out, and survived
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "accept failed" in proc.stderr.read()  # logged (rate-limited), not silent
+
+
+def test_idle_unauthenticated_connections_are_capped_and_a_legitimate_client_gets_through() -> None:
+    srv = ControlServer("127.0.0.1", 0, TOKEN, _ack, auth_timeout_s=20.0, name="flood")
+    flood = []
+    try:
+        for _ in range(300):
+            flood.append(socket.create_connection(tuple(srv.address), timeout=5))
+        assert _wait_for(lambda: srv.admission.refused["capacity"] >= 300 - srv.admission.max_per_source)
+        assert srv.admission.pending() <= srv.admission.max_per_source  # one source (loopback): its cap
+        serving = [t for t in threading.enumerate() if t.name == "shardsync-flood-conn"]
+        assert _wait_for(lambda: len([t for t in threading.enumerate() if t.name == "shardsync-flood-conn"])
+                         <= srv.admission.max_per_source + 4), len(serving)
+        t0 = time.monotonic()
+        c = ControlClient(srv.address, TOKEN, peer="flooded server")  # the flood is still connected
+        assert isinstance(c.call(m.Renew(), timeout_s=5), m.Ack) and time.monotonic() - t0 < 2
+        c.close()
+    finally:
+        for s in flood:
+            s.close()
+        srv.close()
+
+
+def test_a_dripped_handshake_is_cut_at_one_deadline() -> None:
+    srv = ControlServer("127.0.0.1", 0, TOKEN, _ack, auth_timeout_s=1.0, name="drip")
+    try:
+        s = socket.create_connection(tuple(srv.address), timeout=5)
+        t0, cut = time.monotonic(), None
+        drip = b"\x00\x20" + b"a" * 38  # a 32-byte token announced, then sent one byte every 0.25 s
+        for i in range(40):  # under any per-recv timeout; never a whole token within the deadline
+            try:
+                s.sendall(drip[i:i + 1])
+                s.settimeout(0.25)
+                if s.recv(1) == b"":
+                    cut = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+        s.close()
+        assert cut is not None and cut < 2.5, cut
+        assert srv.admission.refused["deadline"] == 1, dict(srv.admission.refused)
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------------------------------- token holders
+@pytest.fixture(scope="module")
+def pair():
+    """Producers 0 and 1 (both hold everything) and one zoo consumer, synced once."""
+    kw = dict(n_producers=2, n_consumers=1, token=TOKEN, max_chunk_bytes=32 << 10, lease_s=2.0, timeout_s=10.0,
+              init_timeout_s=30.0)
+    p0 = Producer(_Source(hf_state_dict(CFG, seed=0)), ProducerConfig(rank=0, **kw))
+    p1 = Producer(_Source(hf_state_dict(CFG, seed=0)), ProducerConfig(rank=1, coordinator=p0.address, **kw))
+    err0: list = []
+    err1: list = []
+    th0 = threading.Thread(target=lambda: _catch(p0.init, err0), daemon=True)
+    th1 = threading.Thread(target=lambda: _catch(p1.init, err1), daemon=True)
+    th0.start(), th1.start()
+    z = _Zoo(p0.address, "r0/tp0")
+    _start([z])
+    th0.join(30), th1.join(30)
+    assert not err0 and not err1, (err0, err1)
+    _sync2(p0, p1, [z], 1)
+    yield p0, p1, z
+    z.c.close()
+    p1.close()
+    p0.close()
+
+
+def _sync2(p0: Producer, p1: Producer, zoos: list, v: int) -> dict:
+    p1.source.at(v)
+    errs: list = []
+    th = threading.Thread(target=lambda: _catch(lambda: p1.sync(v), errs), daemon=True)
+    th.start()
+    stats, errs0 = _sync(p0, zoos, v)
+    th.join(30)
+    assert not errs and not errs0, (errs, errs0)
+    assert not stats["dropped"] and all(z.exact(v) for z in zoos), stats
+    return stats
+
+
+def test_huge_reasons_are_clipped_where_received_and_heartbeat_replies_stay_small(pair) -> None:
+    p0, p1, z = pair
+    c = ControlClient(p0.address, TOKEN, peer="coordinator")
+    w = c.call(m.Hello(consumer="holder"), timeout_s=10)  # a token holder with a session of its own
+    for v in (2, 3, 4):
+        c.call(m.Abandon(consumer="holder", session=w.session, version=v, reason="x" * (90 << 20)), timeout_s=30)
+    stored = [why for (_, cid, _), why in p0.coordinator.ms.left.items() if cid == "holder"]
+    assert len(stored) == 3 and all(len(why) <= m.MAX_REASON for why in stored), [len(s) for s in stored]
+    with pytest.raises(SyncError, match="only versions"):  # a version far ahead is not kept at all
+        c.call(m.Abandon(consumer="holder", session=w.session, version=10 ** 9, reason="later"), timeout_s=10)
+    lease = c.call(m.Renew(consumer="holder", session=w.session), timeout_s=10)
+    assert len(m.encode(lease)) < 64 << 10, len(m.encode(lease))
+    c.call(m.Goodbye(consumer="holder", session=w.session), timeout_s=10)
+    c.close()
+    _sync2(p0, p1, [z], 2)  # the group is unharmed
+
+
+def test_a_forged_abandon_to_a_later_producer_drops_nobody(pair) -> None:
+    p0, p1, z = pair
+    c = ControlClient(p1.address, TOKEN, peer="producer 1")
+    nxt = max(p1.versions) + 1
+    c.call(m.Abandon(consumer="r0/tp0", session="f" * 32, version=nxt, reason="forged"), timeout_s=10)
+    with pytest.raises(SyncError, match="can be abandoned before they begin"):
+        c.call(m.Abandon(consumer="r0/tp0", session="f" * 32, version=nxt + 100, reason="x" * (1 << 20)),
+               timeout_s=10)
+    assert sum(map(len, p1.abandoned.values())) == 1  # only the one for the next version is held
+    c.close()
+    _sync2(p0, p1, [z], nxt)  # the consumer was not dropped (its real session differs): exact
+    assert not p1.abandoned  # consumed at the version's begin
+
+
+def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_budget(pair) -> None:
+    p0, p1, z = pair
+    co = p0.coordinator
+    base_keys, base_plans = set(co.routes), set(co.plans)
+    c = ControlClient(p0.address, TOKEN, peer="coordinator")
+    one = forged_plan([x.to_dict() for x in co.metadata], "evil0", "amplify")
+    per_plan = sum(s.nbytes for g in one.groups for s in g.scatters)
+    co.max_routed_bytes = sum(sum(s.nbytes for g in co.plans[d].groups for s in g.scatters) for d in co.plans) \
+        + 3 * per_plan  # room for three amplifying plans
+    sessions = {}
+    try:
+        for i in range(6):
+            cid = f"evil{i}"
+            w = c.call(m.Hello(consumer=cid), timeout_s=10)
+            sessions[cid] = w.session
+            plan = forged_plan(w.metadata, cid, "amplify", times=60 - i)  # six distinct plans (distinct digests)
+            if i < 3:
+                c.call(m.RegisterPlan(consumer=cid, session=w.session, plan=plan.to_json()), timeout_s=10)
+            else:
+                with pytest.raises(PlanError, match=f"consumer '{cid}'.*over the budget"):
+                    c.call(m.RegisterPlan(consumer=cid, session=w.session, plan=plan.to_json()), timeout_s=10)
+        assert len(co.routes) == len(base_keys) + 3
+        for cid, s in sessions.items():
+            c.call(m.Goodbye(consumer=cid, session=s), timeout_s=10)
+    finally:
+        co.max_routed_bytes = m_default(co)
+        c.close()
+    _sync2(p0, p1, [z], max(p1.versions) + 1)  # the next version prunes them: nothing packed for the departed
+    assert set(co.routes) == base_keys and set(co.plans) == base_plans, (set(co.routes), base_keys)
+
+
+def m_default(co) -> int:
+    from shardsync.engine.coordinator import MAX_ROUTED_COPIES
+
+    return MAX_ROUTED_COPIES * max(sum(x.nbytes for x in co.metadata), 1)
+
+
+def test_the_token_never_shows_in_a_repr() -> None:
+    from shardsync.integrations.vllm.engine import ShardsyncInitInfo
+    from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
+
+    secret = "s3cr3t-" + os.urandom(8).hex()
+    for obj in (ProducerConfig(rank=0, n_producers=1, n_consumers=1, token=secret),
+                ShardsyncTrainerInitInfo(rank=0, token=secret),
+                ShardsyncInitInfo(coordinator=["127.0.0.1", 1], token=secret)):
+        assert secret not in repr(obj) and secret not in str(obj), type(obj).__name__
