@@ -274,3 +274,44 @@ def test_the_token_never_shows_in_a_repr() -> None:
                 ShardsyncTrainerInitInfo(rank=0, token=secret),
                 ShardsyncInitInfo(coordinator=["127.0.0.1", 1], token=secret)):
         assert secret not in repr(obj) and secret not in str(obj), type(obj).__name__
+
+
+def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
+    """A producer that answers a read one byte at a time (each under any per-recv timeout) fails it typed at the
+    read's total deadline, not after the whole payload trickled in."""
+    import struct
+
+    import torch
+
+    from shardsync.errors import TransportError
+    from shardsync.transport.tcp import TcpTransport, recv_exact
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            (n,) = struct.unpack("!H", recv_exact(conn, 2))
+            recv_exact(conn, n)
+            conn.sendall(b"K")  # token accepted
+            recv_exact(conn, 16)  # the read request
+            conn.sendall(b"K")
+            while not stop.is_set():
+                try:
+                    conn.sendall(b"\x01")
+                except OSError:
+                    return
+                time.sleep(0.2)
+
+    th = threading.Thread(target=drip, daemon=True)
+    th.start()
+    cons = TcpTransport(token=TOKEN)
+    cons.connect(0, {"host": "127.0.0.1", "port": srv.getsockname()[1], "nbytes": 1 << 20})
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="did not complete within 1.0 s"):
+        cons.read(0, 0, 4096, torch.empty(4096, dtype=torch.uint8), timeout_s=1.0)
+    assert time.monotonic() - t0 < 2.0
+    stop.set()
+    cons.close()
+    srv.close()

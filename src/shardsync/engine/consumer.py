@@ -194,8 +194,12 @@ class Consumer:
         try:
             for t in pullers:
                 t.start()
-            for t in pullers:
-                t.join()  # returns: every wait inside a puller is bounded by timeout_s / the lease
+            for t in pullers:  # every wait inside a puller is bounded (timeout_s, the lease, each read's deadline)
+                while t.is_alive() and not rnd.failing.is_set():
+                    t.join(0.25)
+            if rnd.failing.is_set():  # failed: the others stop at their next check; never wait past the lease
+                for t in pullers:
+                    t.join(timeout=self.lease_s)
         finally:
             finished = applier.finish(timeout_s=self.timeout_s)
         rnd.raise_first()

@@ -188,6 +188,9 @@ class Puller(threading.Thread):
                                         what=f"group {group!r} of version {version}")]
         got = 0
         for ci, off, n, checksum in ready.chunks:
+            if rnd.failing.is_set():  # another puller or the apply failed: stop reading now
+                raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
+            self.check_peers()  # the version failed at the coordinator, or this producer's lease lapsed
             chunk = lay.chunks[ci]
             if n != chunk.nbytes:
                 raise SyncError(f"consumer {c.id}: chunk {ci} of {group!r} is {n} bytes, expected {chunk.nbytes}")

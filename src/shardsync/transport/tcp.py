@@ -17,6 +17,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch
@@ -44,11 +45,18 @@ def advertised(host: str, advertise_host: str | None) -> str:
     return host
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes | None:
-    """Read exactly n bytes (into ``into`` when given). Raises ConnectionError on EOF."""
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None, *,
+               deadline: float | None = None) -> bytes | None:
+    """Read exactly n bytes (into ``into`` when given). Raises ConnectionError on EOF; with ``deadline`` (a
+    ``time.monotonic()`` value) ``socket.timeout`` once it passes, however the bytes trickle in."""
     buf = into if into is not None else memoryview(bytearray(n))
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         k = sock.recv_into(buf[got:], n - got)
         if k == 0:
             raise ConnectionError("peer closed the connection")
@@ -160,13 +168,14 @@ class TcpTransport:
         if nbytes == 0:
             return
         with self._peer_locks[producer]:
+            deadline = time.monotonic() + timeout_s  # the whole read: a producer dripping bytes cannot stretch it
             try:
                 s.settimeout(timeout_s)
                 s.sendall(_REQ.pack(offset, nbytes))
-                if recv_exact(s, 1) != _OK:
+                if recv_exact(s, 1, deadline=deadline) != _OK:
                     self._drop(producer)
                     raise TransportError(f"tcp: producer {producer} refused read [{offset}, {offset + nbytes})")
-                recv_exact(s, nbytes, memoryview(into[:nbytes].numpy()))
+                recv_exact(s, nbytes, memoryview(into[:nbytes].numpy()), deadline=deadline)
             except socket.timeout:
                 self._drop(producer)  # the rest of the reply may still arrive: the stream is out of step
                 raise TransportError(f"tcp: read [{offset}, {offset + nbytes}) from producer {producer} did not "
