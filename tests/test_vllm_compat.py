@@ -5,12 +5,15 @@
 * the plugin patches only what the installed vLLM has, and registers both backends;
 * vLLM's own trainer API (``WeightTransferTrainerFactory``, called as the installed vLLM takes it) syncs an
   in-process engine that then holds, byte for byte, what a FRESH engine started on the same weights holds, and
-  generates its tokens — while an engine in the same environment that does not select shardsync runs untouched.
+  generates its tokens — while an engine in the same environment that does not select shardsync runs untouched;
+  against that engine, a ``world_size`` that does not match its workers and a trainer_init for an engine without
+  the shardsync backend fail at once, saying what to fix.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -65,7 +68,7 @@ def ckpt(tmp_path_factory) -> str:
 def test_vllms_trainer_api_syncs_an_engine_to_what_a_fresh_engine_holds(ckpt, tmp_path, monkeypatch) -> None:
     from vllm import LLM
 
-    from shardsync import ModuleSource
+    from shardsync import ModuleSource, SyncError
     from shardsync.integrations.vllm.testing.checkpoints import load_checkpoint, perturb
     from shardsync.integrations.vllm.testing.reference import (compare_with, cpu_env, engine_kwargs, generate,
                                                                inspect_engine, save_checkpoint, shutdown)
@@ -108,6 +111,15 @@ def test_vllms_trainer_api_syncs_an_engine_to_what_a_fresh_engine_holds(ckpt, tm
         fresh_tokens = list(fresh.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8),
                                            use_tqdm=False)[0].outputs[0].token_ids)
         dumped = fresh.collective_rpc(_dump_model, args=(str(tmp_path / "fresh" / "inspect_rank0.safetensors"),))
+        # wiring mistakes against this engine (it does not select shardsync) fail at once, saying what to fix
+        wide = ShardsyncTrainerInitInfo(master_address="127.0.0.1", world_size=3, rank=0)
+        with pytest.raises(ValueError, match="has 1: set world_size=2"):
+            compat.factory_trainer_init(wide, client=fresh, source=ModuleSource(state))
+        t0 = time.monotonic()
+        with pytest.raises(SyncError, match="init_weight_transfer_engine failed"):
+            compat.factory_trainer_init(ShardsyncTrainerInitInfo(master_address="127.0.0.1", world_size=2, rank=0),
+                                        client=fresh, source=ModuleSource(state))
+        assert time.monotonic() - t0 < 60  # not init_timeout_s (600 s)
     finally:
         shutdown(fresh)
     assert dumped == [True]

@@ -228,6 +228,20 @@ def test_a_forged_abandon_to_a_later_producer_drops_nobody(pair) -> None:
     assert not p1.abandoned  # consumed at the version's begin
 
 
+def test_a_hello_cannot_take_over_a_live_consumer(pair) -> None:
+    from shardsync.errors import SessionInUse
+
+    p0, p1, z = pair
+    c = ControlClient(p0.address, TOKEN, peer="coordinator")
+    for _ in range(3):  # said before each version, it would keep the victim out of every one
+        with pytest.raises(SessionInUse, match="'r0/tp0' belongs to a live session"):
+            c.call(m.Hello(consumer="r0/tp0"), timeout_s=10)
+        with pytest.raises(SessionInUse):
+            c.call(m.Hello(consumer="r0/tp0", session="0" * 32), timeout_s=10)  # a wrong proof is no proof
+    c.close()
+    _sync2(p0, p1, [z], max(p1.versions) + 1)  # still a member, still exact
+
+
 def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_budget(pair) -> None:
     p0, p1, z = pair
     co = p0.coordinator

@@ -49,6 +49,11 @@ class AuthError(TransportError):
     """A peer presented a wrong token, or a session credential that is not its own."""
 
 
+class SessionInUse(AuthError):
+    """A ``Hello`` for a consumer id whose session is still live, without that session: refused until its lease
+    lapses (a restarted engine is re-admitted then; ``Consumer.init`` waits for it)."""
+
+
 class ConsumerDropped(SyncError):
     """A consumer was dropped from a sync (lease expired, it abandoned, or its session was replaced)."""
 

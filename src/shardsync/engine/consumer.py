@@ -39,7 +39,7 @@ from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
 from .puller import Puller, PullRound, SerialPuller, producer_lost
 from .wire import DEFAULT_MAX_FRAME, parse_address
-from ..errors import SyncError, TransportError
+from ..errors import SessionInUse, SyncError, TransportError
 from ..plan.pack import GroupLayout
 from ..plan.route import chunk_layouts, holders_from_ownership
 from ..transport import Transport, make_transport
@@ -101,7 +101,7 @@ class Consumer:
         t0 = time.perf_counter()
         peer = "coordinator (producer 0)"
         self.coord = ControlClient(self.coordinator, self.token, peer=peer, max_frame_bytes=self.max_frame_bytes)
-        w = m.expect(self.coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5), m.Welcome, peer)
+        w = self._hello(peer)
         self.session, self.lease_s = w.session, w.lease_s
         self.heartbeat = Heartbeat(self.coordinator, self.token, m.Renew(consumer=self.id, session=self.session),
                                    lease_s=w.lease_s, who=f"consumer {self.id}", on_dropped=self._rejoin)
@@ -135,10 +135,24 @@ class Consumer:
                       "producers": sorted({p for per in self.routes.values() for p in per})}
         return self.plan
 
+    def _hello(self, peer: str) -> m.Welcome:
+        """``Hello``; while a predecessor under this id (a killed engine) still holds a live lease, ask again until
+        it lapses (the coordinator's re-admission rule; at most a lease)."""
+        deadline = time.monotonic() + self.init_timeout_s
+        while True:
+            try:
+                return m.expect(self.coord.call(m.Hello(consumer=self.id), timeout_s=self.init_timeout_s + 5),
+                                m.Welcome, peer)
+            except SessionInUse:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
     def _rejoin(self, why: str) -> None:
         """Our lease expired (we were paused or cut off): join again with the plan we have."""
         with self._lock:
-            w = m.expect(self.coord.call(m.Hello(consumer=self.id), timeout_s=self.timeout_s), m.Welcome, "coordinator")
+            w = m.expect(self.coord.call(m.Hello(consumer=self.id, session=self.session), timeout_s=self.timeout_s),
+                         m.Welcome, "coordinator")
             r = m.expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=w.session, plan=self.plan.to_json(),
                                                         node=self.node),
                                          timeout_s=self.timeout_s), m.Routes, "coordinator")
@@ -148,6 +162,19 @@ class Consumer:
             self.rejoins += 1
 
     # ------------------------------------------------------------------ sync
+    def _begin(self, version: int, session: str) -> m.SyncView:
+        """``BeginSync``, asked again while the producers start the version (each answer within a lease, so a
+        stopped or lost coordinator fails this within the lease bound, not after ``timeout_s``)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            reply = self.coord.call(m.BeginSync(version=version, consumer=self.id, session=session),
+                                    timeout_s=2 * self.lease_s + 1)
+            if not isinstance(reply, m.Pending):
+                return m.expect(reply, m.SyncView, "coordinator (producer 0)")
+            if time.monotonic() > deadline:
+                raise TransportError(f"consumer {self.id}: the producers did not start version {version} within "
+                                     f"{self.timeout_s} s")
+
     def abandon(self, version: int, reason: str, *, lost_producer: int = -1) -> None:
         """Leave ``version`` (this engine rejected or failed it): no producer waits for us. Best effort."""
         msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=m.clip(reason),
@@ -183,8 +210,7 @@ class Consumer:
         t0 = time.perf_counter()
         with self._lock:
             session = self.session
-        view = m.expect(self.coord.call(m.BeginSync(version=version, consumer=self.id, session=session),
-                                        timeout_s=self.timeout_s + 5), m.SyncView, "coordinator (producer 0)")
+        view = self._begin(version, session)
         self._connect(view.producers)
         rnd = PullRound(self, version, session)
         applier = self._applier = Applier(self, rnd)

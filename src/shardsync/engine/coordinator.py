@@ -150,7 +150,7 @@ class Coordinator:
 
     def _on_Hello(self, msg: m.Hello) -> m.Msg:
         with self.cv:
-            session = self.ms.hello(msg.consumer)
+            session = self.ms.hello(msg.consumer, msg.session)
             self._wait(lambda: len(self.ms.producers) == self.n_producers,
                        lambda: f"{self.n_producers} producers to join (have {sorted(self.ms.producers)})",
                        self.init_timeout_s, init=True)
@@ -344,8 +344,10 @@ class Coordinator:
                     raise ProducerLost(f"version {msg.version}: " + "; ".join(self.ms.dead_producers[r][1] for r in dead))
                 return all(v.ready.get(r) == self.ms.producers[r].incarnation for r in used)
 
-            self._wait(ready, lambda: f"producers {[r for r in used if v.ready.get(r) != self.ms.producers[r].incarnation]}"
-                                      f" to start version {msg.version}", self.timeout_s, init=False)
+            try:  # at most a lease per call: the consumer asks again (so a stopped coordinator shows within it)
+                self._wait(ready, lambda: "", min(self.timeout_s, self.lease_s), init=False)
+            except TransportError:
+                return m.Pending()
             return m.SyncView(version=msg.version, members={msg.consumer: members[msg.consumer]}, epoch=v.epoch,
                               producers=[{"rank": r, "incarnation": self.ms.producers[r].incarnation,
                                           "address": self.ms.producers[r].address, "desc": self.ms.producers[r].desc}

@@ -2,9 +2,11 @@
 
 The coordinator (hosted by producer 0) keeps this table; everything else learns it from replies. Rules:
 
-1. A consumer's ``Hello`` issues a fresh session credential and starts its lease; a ``Hello`` with an id
-   already in use replaces the old session (a restarted engine rejoining under its old name): the old
-   session is dropped with the reason "replaced".
+1. A consumer's ``Hello`` issues a fresh session credential and starts its lease. A ``Hello`` for an id whose
+   session is still live replaces it only with that session as proof; without it, it is refused
+   (``SessionInUse``) until the old lease lapses — the re-admission rule for a restarted engine under its old name
+   (it waits at most a lease). So no token holder can take over, or keep out, another consumer by saying ``Hello``
+   with its id. A replaced session is dropped with the reason "replaced".
 2. A lease is renewed by heartbeats; one not renewed for ``lease_s`` expires: the consumer is dropped
    (``dead``, with the reason), a producer is marked dead until its rank joins again (new incarnation).
 3. A version's members are fixed when its first ``BeginSync`` arrives: every registered consumer whose
@@ -19,13 +21,14 @@ The coordinator (hosted by producer 0) keeps this table; everything else learns 
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import AuthError, ConsumerDropped, SyncError
+from ..errors import AuthError, ConsumerDropped, SessionInUse, SyncError
 from .messages import clip
 
 __all__ = ["Membership"]
@@ -80,10 +83,16 @@ class Membership:
         self.left: OrderedDict[tuple[int, str, str], str] = OrderedDict()  # (version, consumer, session) -> why
 
     # -------------------------------------------------------------- consumers
-    def hello(self, cid: str) -> str:
+    def hello(self, cid: str, proof: str = "") -> str:
+        if cid in self.consumers:
+            self.expire()
         old = self.consumers.get(cid)
+        if old is not None and not hmac.compare_digest(proof, old.session):
+            left = old.lease_until - self.clock()
+            raise SessionInUse(f"consumer id {cid!r} belongs to a live session (its lease runs {left:.1f} s more): a "
+                               "Hello for it must carry that session, or come once the lease has lapsed")
         if old is not None:
-            self._drop(cid, old.session, "replaced: the same consumer id said Hello again (a restarted engine)")
+            self._drop(cid, old.session, "replaced: the consumer said Hello again with its session")
         session = secrets.token_hex(16)
         self.consumers[cid] = _Consumer(session, self.clock() + self.lease_s)
         self.failed_init.pop(cid, None)

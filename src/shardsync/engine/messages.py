@@ -116,6 +116,9 @@ class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
 # ---------------------------------------------------------------- consumers <-> coordinator
 class Hello(_M):
     consumer: Id
+    session: Id = ""
+    """The id's current session, to replace it while it is live (a consumer re-introducing itself); without it a
+    Hello for a live id is refused (``SessionInUse``) until that lease lapses."""
 
 
 class Welcome(_M):

@@ -292,8 +292,9 @@ class Producer(ServedVersions):
         return pending.result(self.cfg.timeout_s * 2 if timeout_s is None else timeout_s)
 
     def _begin(self, version: int) -> VersionState:
+        quick = min(self.cfg.timeout_s, 2 * self.cfg.lease_s + 1)  # answered at once: a silent coordinator is lost
         view = self.client.call(m.BeginSync(version=version, rank=self.cfg.rank, incarnation=self.incarnation),
-                                timeout_s=self.cfg.timeout_s)
+                                timeout_s=quick)
         if view.epoch != self.epoch:
             self._assign(self.client.call(m.GetAssignments(rank=self.cfg.rank), timeout_s=self.cfg.timeout_s))
         digests = {u.digest for us in self.units.values() for u in us}
@@ -309,7 +310,7 @@ class Producer(ServedVersions):
             for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin
                 del self.abandoned[old]
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
-                                         desc=self.desc), timeout_s=self.cfg.timeout_s)
+                                         desc=self.desc), timeout_s=quick)
         return st
 
     def _fail(self, version: int, st: VersionState | None, e: BaseException) -> None:

@@ -18,6 +18,15 @@ class LLMClient:
     def __init__(self, llm: Any):
         self.llm = llm
 
+    def workers(self) -> int | None:
+        """The engine's worker processes (tensor x pipeline x data parallel ranks), if its config says."""
+        cfg = getattr(getattr(self.llm, "llm_engine", None), "vllm_config", None)
+        par = getattr(cfg, "parallel_config", None)
+        try:
+            return int(par.world_size) * int(getattr(par, "data_parallel_size", 1) or 1)
+        except (AttributeError, TypeError, ValueError):
+            return None
+
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
 

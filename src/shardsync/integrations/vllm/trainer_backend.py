@@ -144,18 +144,26 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
             cfg.token, cfg.coordinator = token, address
             producer = Producer(adapt(source), cfg)
         engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0, config=config)
+        workers = getattr(engine.client, "workers", lambda: None)() if engine.is_sender else None
+        if workers is not None and workers != init_info.world_size - 1:
+            producer.close()
+            raise ValueError(f"ShardsyncTrainerInitInfo(world_size={init_info.world_size}) counts the sender plus "
+                             f"{init_info.world_size - 1} inference workers, but the engine the client drives has "
+                             f"{workers}: set world_size={workers + 1}")
         if not engine.is_sender:
             producer.init()
             return engine
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
                    "verify_checksums": init_info.verify_checksums, "recv_budget_bytes": init_info.recv_budget_bytes}
+        # an engine-side failure (a worker that cannot start the backend) ends the producers' init at once
         engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
-                     what="the inference engines' init_weight_transfer_engine")
+                     what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)
         return engine
 
-    def _side(self, call, main, *, what: str) -> Any:
-        """Run ``call`` (a client RPC that waits for the producers) on a side thread while ``main`` runs here."""
+    def _side(self, call, main, *, what: str, on_fail=None) -> Any:
+        """Run ``call`` (a client RPC that waits for the producers) on a side thread while ``main`` runs here;
+        ``on_fail(err)`` runs as soon as ``call`` fails (to end ``main``'s waits)."""
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -163,6 +171,8 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
                 call()
             except BaseException as e:
                 box["err"] = e
+                if on_fail is not None:
+                    on_fail(SyncError(f"{what} failed: {type(e).__name__}: {e}"))
 
         th = threading.Thread(target=run, name="shardsync-client-rpc", daemon=True)
         th.start()
