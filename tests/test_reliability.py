@@ -118,6 +118,17 @@ def test_coordinator_death_fails_the_others_fast(fault: str) -> None:
     assert _all_exited(cl)
 
 
+def test_chaos_wire_attacks_each_bounded_beside_an_exact_sync() -> None:
+    """Floods, dripped handshakes, 20 MB reasons, forged Abandons to every producer, amplifying plans: each during a
+    sync that every consumer completes exact."""
+    from shardsync.tools.harness.attacks import BOUNDED
+
+    out = run_chaos(kills=8, seed=2, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=BOUNDED)  # all five
+    assert set(out["by_kind"]) == set(BOUNDED), out["by_kind"]
+    assert out["deadlocks"] == 0 and out["torn_served"] == 0 and out["mismatched"] == 0
+    assert out["unexpected_failures"] == 0 and out["syncs_completed"] == out["syncs"] == 9, out
+
+
 def test_chaos_short_run_all_fault_kinds() -> None:
     out = run_chaos(kills=9, seed=3, replicas=2, tp=1, lease_s=LEASE, cfg=CFG,
                     kinds=("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart",

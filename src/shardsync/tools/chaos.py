@@ -51,14 +51,14 @@ import time
 from collections import Counter
 from typing import Any
 
-from .harness.attacks import wire_attack
+from .harness.attacks import BOUNDED, release, wire_attack
 from .harness.cluster import LocalCluster
 from .harness.hosts import Hosted, HostedDied
 from .output import emit_json
 from ..zoo import ZooConfig
 
 KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "forged_plan",
-         "wrong_token", "oversized_frame")
+         "wrong_token", "oversized_frame", *BOUNDED)
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
 VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill")
 ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
@@ -116,8 +116,11 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
                 cl.kill(victim)
                 cl.restart(victim)
                 rejoining.add(victim)
-            else:
-                tally.notes.append(f"v{v} {kind}: {wire_attack(kind, cl.coordinator, cl.token)}")
+            else:  # an attack on the wire: every consumer must complete the sync beside it
+                victim = None
+                tally.notes.append(f"v{v} {kind}: " + wire_attack(
+                    kind, cl.coordinator, cl.token, peers=[cl.addresses[r] for r in range(1, producers)],
+                    victims=[k for k in cl.alive() if not isinstance(k, int)], version=v))
             try:
                 r = cl.sync(v, faults=faults, tolerate=True)
             except TimeoutError as e:
@@ -134,6 +137,7 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
                 cl.restart(key)
                 if not isinstance(key, int):
                     rejoining.add(key)
+        release()  # the last flood's sockets
         # a last clean sync: every rejoiner must be exact
         v += 1
         r = cl.sync(v, tolerate=True)

@@ -60,6 +60,7 @@ class LocalCluster:
             self.bl = {"port": free_port(), "world": producers + n_cons, "producers": producers}
         self.inits: dict[Any, Any] = {}  # pending init calls, collected by wait_ready()
         self.coordinator: list | None = None
+        self.addresses: dict[int, list] = {}  # producer rank -> its control address
         self.coordinator = self._start_producers([0])[0]
         self._start_producers(list(range(1, producers)))
         self.consumer_ids: list[str] = []
@@ -83,6 +84,7 @@ class LocalCluster:
         self._spawn("TrainerProc", {r: dict(spec=self.spec, rank=r, n=self.n_p, baseline=self.bl,
                                             pcfg=dict(self.pcfg, coordinator=self.coordinator)) for r in ranks})
         addrs = self._expect({r: self.hosts[r].call("address") for r in ranks}, "address")
+        self.addresses.update(zip(ranks, addrs))
         self.inits.update({r: self.hosts[r].call("init") for r in ranks})
         return addrs
 
