@@ -24,12 +24,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+ENGINES: list = []
+"""The vLLM engines this process started: shut down on every exit path (``os._exit`` below skips vLLM's own)."""
+
+
 def trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> None:
     try:
         _trainer_rank(rank, args, port, work)
     except BaseException:  # say it now: the other rank may be waiting in a collective for this one
         import traceback
         print(f"trainer rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        for llm in ENGINES:  # no engine core or TP worker may outlive this failed run
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
         os._exit(1)
 
 
@@ -72,6 +81,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
             plugin.enable()
         llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
                   gpu_memory_utilization=0.4, tensor_parallel_size=2, weight_transfer_config={"backend": "shardsync"})
+        ENGINES.append(llm)
     if args.source == "vllm":
         from vllm.distributed.weight_transfer.base import ModuleSource
         source = ModuleSource(model)

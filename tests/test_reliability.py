@@ -108,7 +108,7 @@ def test_coordinator_death_fails_the_others_fast(fault: str) -> None:
         assert cl.sync(1)["exact"]
         getattr(cl, fault)(0)
         t0 = time.monotonic()
-        r = cl.sync(2, tolerate=True)
+        r = cl.sync(2, tolerate=True, skip={0} if fault == "pause" else ())
         assert time.monotonic() - t0 < BOUND + 10  # < timeout_s (16 s): the lease bound, not the sync timeout
         if fault == "pause":
             cl.kill(0)

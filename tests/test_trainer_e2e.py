@@ -6,6 +6,8 @@ really training between syncs. Non-blocking syncs under in-place weight changes.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from shardsync.sources.megatron_layout import MegatronConfig, MegatronParallel, held_hf_names
@@ -102,6 +104,26 @@ def test_fsdp2_trainer_really_training_to_tp2_replica_exact_every_sync(tmp_path)
                 assert p["bytes_sent"] > 0  # both ranks serve: routing splits the work
         first, last = _load(tmp_path, 1), _load(tmp_path, 3)
         assert any(not first[k].equal(last[k]) for k in first)  # the weights really changed between syncs
+
+
+def test_a_rank_that_cannot_start_a_sync_leaves_no_peer_in_a_gather(tmp_path) -> None:
+    """FSDP2 (every group a collective on both ranks): rank 1 cannot start version 2 (its engines gone). It still
+    runs its lockstep gathers, so rank 0 leaves its own; version 2 fails for everyone, typed and within bounds (not
+    a hang), and version 3 is exact — both ranks having run exactly one collective per group per version."""
+    zc = ZooConfig(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=64, inter=128, qk_norm=True,
+                   dtype="float32", ckpt_dtype="float32")
+    spec = {"kind": "fsdp", "arch": "qwen3", "dir": str(tmp_path), "dist_port": free_port()}
+    with LocalCluster(zc, producers=2, replicas=1, tp=2, spec=spec, max_chunk_bytes=64 << 10, timeout_s=30) as cl:
+        assert cl.sync(1)["exact"]
+        t0 = time.monotonic()
+        r = cl.sync(2, faults={1: {"fail_at_begin": True}}, tolerate=True)
+        assert time.monotonic() - t0 < 45, time.monotonic() - t0  # under 2 x timeout_s: nobody hung in a gather
+        assert "injected: producer 1 cannot start version 2" in r["failed"]["1"], r["failed"]
+        assert {"0", "r0/tp0", "r0/tp1"} <= set(r["failed"]), r["failed"]
+        r = cl.sync(3)
+        assert r["exact"], r["consumers"]
+        for p in r["producers"]:  # versions 1, 2 (failed, drained) and 3: one collective per group each
+            assert p["source_stats"]["collectives"] == 3 * p["gather_batches"], p["source_stats"]
 
 
 def _load(d, v: int) -> dict:

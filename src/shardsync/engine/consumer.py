@@ -179,11 +179,19 @@ class Consumer:
         """Leave ``version`` (this engine rejected or failed it): no producer waits for us. Best effort."""
         msg = m.Abandon(consumer=self.id, session=self.session, version=version, reason=m.clip(reason),
                         lost_producer=lost_producer)
-        for c in [self.coord, *self.clients.values()]:
+        def tell(c: ControlClient) -> None:
             try:
                 c.call(msg, timeout_s=2)
             except Exception:
                 pass
+
+        # all at once, 2 s in all: a stopped coordinator (or producer) must not delay this failure once per peer
+        threads = [threading.Thread(target=tell, args=(c,), daemon=True) for c in [self.coord, *self.clients.values()]]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 2.5
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def sync(self, version: int) -> dict[str, Any]:
         if self._applier is not None and self._applier.is_alive():

@@ -81,6 +81,7 @@ class Membership:
         self.versions: OrderedDict[int, _Version] = OrderedDict()
         self.failed_init: dict[str, str] = {}  # consumers that failed before registering -> reason
         self.left: OrderedDict[tuple[int, str, str], str] = OrderedDict()  # (version, consumer, session) -> why
+        self.failed_early: dict[int, str] = {}  # versions failed before they began -> why
 
     # -------------------------------------------------------------- consumers
     def hello(self, cid: str, proof: str = "") -> str:
@@ -185,7 +186,7 @@ class Membership:
         v = self.versions.get(version)
         if v is None:
             members = {cid: (c.digest, c.session) for cid, c in self.consumers.items() if c.digest is not None}
-            v = self.versions[version] = _Version(members, epoch)
+            v = self.versions[version] = _Version(members, epoch, failed=self.failed_early.pop(version, None))
             while len(self.versions) > _KEEP_VERSIONS:
                 self.versions.popitem(last=False)
         return v
@@ -197,9 +198,16 @@ class Membership:
         return v
 
     def fail_version(self, version: int, reason: str) -> None:
+        """Fail ``version`` for everyone — also one not begun yet (a rank that cannot take part in it says so
+        first): it then begins failed. Early failures are kept for the next ``AHEAD`` versions only."""
         v = self.versions.get(version)
-        if v is not None and v.failed is None:
-            v.failed = clip(reason)
+        if v is not None:
+            if v.failed is None:
+                v.failed = clip(reason)
+            return
+        last = self._last_version()
+        if last < version <= last + AHEAD:
+            self.failed_early.setdefault(version, clip(reason))
 
     def outcome(self, version: int) -> dict[str, Any]:
         """Who completed ``version``, who was dropped from it (and why), whether it failed; ``done`` once every

@@ -36,7 +36,7 @@ from .control import ControlClient, ControlServer
 from .coordinator import Coordinator
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
-from .producer_sync import ProducerSync
+from .producer_sync import ProducerSync, finish_lockstep
 from .snapshot import PendingSync, Snapshot
 from .units import build_units
 from .versions import ServedVersions, VersionState
@@ -261,7 +261,12 @@ class Producer(ServedVersions):
         self.wait_pending()
         st: VersionState | None = None
         try:
-            st = self._begin(version)
+            try:
+                st = self._begin(version)
+            except BaseException as e:  # schedule rule 1: fail the version for all, then still run the gathers
+                self._fail(version, None, e)
+                finish_lockstep(iter(self.source.iter_groups()))
+                raise
             if block:
                 with hot_path(self.cfg.switch_interval_s):
                     return ProducerSync(self, version, st, self.source).run()
@@ -281,7 +286,8 @@ class Producer(ServedVersions):
             pending._thread.start()
             return pending
         except BaseException as e:
-            self._fail(version, st, e)
+            if not getattr(e, "_shardsync_reported", False):
+                self._fail(version, st, e)
             raise
 
     def wait_pending(self, timeout_s: float | None = None) -> dict[str, Any] | None:
@@ -321,10 +327,17 @@ class Producer(ServedVersions):
                 st.pending.clear()
                 st.ready.clear()
             self.cv.notify_all()
-        try:
-            self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why), timeout_s=5)
+        if getattr(e, "_shardsync_reported", False):
+            return
+        try:  # within a lease: the coordinator may be what failed (stopped: it would not answer at all)
+            self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why),
+                             timeout_s=min(5.0, self.cfg.lease_s + 1))
         except Exception:
-            pass  # the coordinator may be what failed
+            pass
+        try:
+            e._shardsync_reported = True  # type: ignore[attr-defined]
+        except Exception:
+            pass
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer

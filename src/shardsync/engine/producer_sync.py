@@ -49,6 +49,16 @@ def no_more_batches(it: Iterator[Any], *, rank: int, n_batches: int) -> None:
                                f"groups() lists ({n_batches})")
 
 
+def finish_lockstep(it: Iterator[Any]) -> None:
+    """Run what is left of a source's batch iterator (every remaining collective), ignoring what fails: the rank is
+    failing anyway; this only keeps its peers from waiting in a gather for it."""
+    try:
+        for _ in it:
+            pass
+    except Exception:  # noqa: BLE001 - the original failure is the one raised
+        pass
+
+
 class ProducerSync:
     """Serve ``version`` from ``source`` (the producer's own, or a snapshot of it) to the members of ``st``."""
 
@@ -70,6 +80,9 @@ class ProducerSync:
         self.peak = 0
         """Most full-tensor bytes resident at once (schedule rule 5)."""
         self.slot_wait_s = self.gather_s = self.pack_s = 0.0
+        self._it: Iterator[Any] | None = None
+        self.lockstep_done = False
+        """Every batch of the source iterated (schedule rule 1: also on failure, see :meth:`finish_lockstep`)."""
         self.pub = Publisher(producer.lane, timeout_s=producer.cfg.timeout_s, who=f"producer {producer.cfg.rank}")
 
     def run(self) -> dict[str, Any]:
@@ -77,6 +90,10 @@ class ProducerSync:
         t0 = time.perf_counter()
         try:
             self._gather_and_pack()
+        except BaseException as e:  # schedule rule 1: the version fails for all first, then the gathers still run
+            pr._fail(version, st, e)
+            self.finish_lockstep()
+            raise
         finally:
             self.pub.close()  # also when the sync fails: no publisher thread outlives it
         pr._wait(lambda: all(not st.pending.get(g) for g in pr.order),
@@ -102,7 +119,7 @@ class ProducerSync:
         pr, ls, rank = self.pr, self.pr.schedule, self.pr.cfg.rank
         assert pr.ring is not None
         by_name = {x.name: x for x in pr.metas}
-        it = iter(self.source.iter_groups())
+        it = self._it = iter(self.source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
         dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
         for b, expect in enumerate(ls.batches):
@@ -142,9 +159,16 @@ class ProducerSync:
                 t = kept.pop(n, None)
                 if t is not None and pr.lane.cuda:
                     dropped.append(t)
+        self.lockstep_done = True
         no_more_batches(it, rank=rank, n_batches=len(ls.batches))
         self.pub.submit(lambda: None, what="the last pack", hold=dropped)
         self.pub.flush()
+
+    def finish_lockstep(self) -> None:
+        """Schedule rule 1 on failure: iterate the batches not gathered yet (their collectives), keeping nothing."""
+        if not self.lockstep_done:
+            self.lockstep_done = True
+            finish_lockstep(self._it if self._it is not None else iter(self.source.iter_groups()))
 
     def reclaim(self) -> bool:
         """Rule 7: a released group frees its slot. True when a slot is free."""

@@ -10,7 +10,10 @@ Producer (one trainer rank), per sync:
 1. Lockstep. Every rank iterates EVERY batch of its source's ``iter_groups()`` (the groups holding a name it
    holds), in the source's order, whether or not anything in it is routed here: materialising a group is a
    collective among the ranks holding part of it. A rank never gathers a group it does not hold (never
-   across PP, never another EP rank's experts), and never gathers a group twice in one sync.
+   across PP, never another EP rank's experts), and never gathers a group twice in one sync. Also when the
+   sync fails on this rank (the engines are gone, the version failed, a slot wait timed out): the rank still
+   iterates the batches it has not (nothing packed), then raises — so no other rank waits in a collective for
+   it; the others fail the version through the coordinator.
 2. Keep only what is routed. From each batch the rank keeps the tensors its routed chunks read
    (``keep[b]``); the rest of the batch is dropped as soon as the batch has been looked at.
 3. One order for everyone. Plan groups are packed in transfer order (``plan.groups.group_order``: pre,

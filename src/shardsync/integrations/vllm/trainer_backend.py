@@ -28,7 +28,9 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
+from ...engine import messages as m
 from ...engine.producer import Producer, ProducerConfig
+from ...engine.producer_sync import finish_lockstep
 from ...errors import SyncError
 from ...sources.adapt import adapt
 from . import compat
@@ -233,11 +235,25 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         sender runs it while the engines pull (their ``update_weights`` on a side thread)."""
         if not self.is_sender:
             return result()
-        self.client.start_weight_update()
+        try:
+            self.client.start_weight_update()
+        except BaseException as e:  # the engines are gone: no trainer rank may wait in a gather for this one
+            self._drop_out(v, e)
+            raise
         out = self._side(lambda: self.client.update_weights({"version": v}), result,
                          what=f"the inference engines' update_weights (version {v})")
         compat.finish_weight_update(self.client, str(v))
         return out
+
+    def _drop_out(self, v: int, e: BaseException) -> None:
+        """This rank cannot serve version ``v``: fail it at the coordinator for every rank (it begins failed),
+        then still run this rank's lockstep gathers, so that the other ranks leave theirs and fail ``v`` too."""
+        why = m.clip(f"producer {self.producer.cfg.rank} cannot serve version {v}: {type(e).__name__}: {e}")
+        try:
+            self.producer.client.call(m.SyncFailed(rank=self.producer.cfg.rank, version=v, reason=why), timeout_s=5)
+        except Exception:
+            pass  # the coordinator is gone too: the others fail on it within their lease
+        finish_lockstep(iter(self.producer.source.iter_groups()))
 
     def shutdown(self) -> None:
         try:

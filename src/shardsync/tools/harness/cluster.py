@@ -164,13 +164,13 @@ class LocalCluster:
         return [out[k] for k in sorted(out, key=str)]
 
     def sync(self, version: int, *, baseline: bool = False, faults: dict[Any, dict] | None = None,
-             tolerate: bool = False) -> dict[str, Any]:
+             tolerate: bool = False, skip: Any = ()) -> dict[str, Any]:
         """One sync through shardsync (or, ``baseline=True``, through the broadcast baseline). A failed sync on
         any process raises unless ``tolerate`` (then failures and deaths are in the report); every consumer
-        still alive afterwards is checked."""
+        still alive afterwards is checked. ``skip``: processes not asked (a paused one would never answer)."""
         faults = faults or {}
-        producers = sorted(k for k in self.alive() if isinstance(k, int))
-        consumers = [k for k in self.alive() if not isinstance(k, int)]
+        producers = sorted(k for k in self.alive() if isinstance(k, int) and k not in skip)
+        consumers = [k for k in self.alive() if not isinstance(k, int) and k not in skip]
         self._expect({k: self.hosts[k].call("prepare", version) for k in producers}, "prepared")
         calls = {k: (self.hosts[k].call("baseline", version) if baseline else
                      self.hosts[k].call("sync", version, faults.get(k))) for k in producers + consumers}

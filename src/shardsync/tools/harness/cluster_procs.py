@@ -5,7 +5,8 @@ producer (:class:`TrainerProc`) or one zoo consumer (:class:`ConsumerProc`). The
 A failed sync is an answer, not the end of the process (``{"error": ...}``): the run goes on, as a real one
 would. Fault injection is real: ``sync(v, {"die_at_chunk": k})`` makes the process SIGKILL itself right after
 its k-th chunk read, ``{"die_at_apply": k}`` in the middle of applying its k-th group, ``{"die_after_groups": k}``
-(producer) after gathering its k-th group. ``baseline(v)`` is the same version through the broadcast baseline
+(producer) after gathering its k-th group, ``{"fail_at_begin": True}`` (producer) fails this rank's start of the
+version (it stays alive). ``baseline(v)`` is the same version through the broadcast baseline
 (``tools/baseline.py``); ``check()`` compares what a consumer holds with its own loaders on the trainer's weights.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ...errors import SyncError
 from ...zoo import ZooConfig, hf_state_dict
 from .consumers import ZooConsumer
 from .trainers import VersionedSource, pp_share, serve, weights_at
@@ -71,6 +73,14 @@ class TrainerProc:
         self.source.set_version(version)
 
     def sync(self, version: int, fault: dict | None = None) -> dict[str, Any]:
+        if fault and fault.get("fail_at_begin"):  # this rank cannot start the version (its engines are gone)
+            begin = self.producer._begin
+
+            def failing(v: int):
+                self.producer._begin = begin
+                raise SyncError(f"injected: producer {self.rank} cannot start version {v}")
+
+            self.producer._begin = failing
         if fault and "die_after_groups" in fault:
             left = {"groups": fault["die_after_groups"]}
 

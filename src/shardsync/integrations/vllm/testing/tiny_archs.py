@@ -51,7 +51,7 @@ def _config(family: str):
     if family == "qwen3_tied":
         c["tie_word_embeddings"] = True
         return tf.Qwen3Config(head_dim=32, intermediate_size=128, **c)
-    if family == "int8_w8a8":
+    if family in ("int8_w8a8", "int8_w8a8_static"):
         return tf.LlamaConfig(intermediate_size=128, **c)
     if family == "qwen3_fp8_block":  # every linear a multiple of the 128x128 FP8 block
         return tf.Qwen3Config(**{**c, "hidden_size": 256}, head_dim=64, intermediate_size=256)
@@ -81,9 +81,16 @@ _INT8_QCFG = {
 }
 
 
-def _quantize_int8(out_dir: str) -> None:
+_INT8_STATIC_QCFG = {**_INT8_QCFG, "config_groups": {"group_0": {
+    **_INT8_QCFG["config_groups"]["group_0"],
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False},
+}}}
+
+
+def _quantize_int8(out_dir: str, *, static: bool = False) -> None:
     """Rewrite the bf16 checkpoint in ``out_dir``: every decoder-layer Linear weight -> int8 ``weight`` +
-    float32 ``weight_scale`` of shape [out, 1]; add ``quantization_config`` to config.json."""
+    float32 ``weight_scale`` of shape [out, 1] (``static``: and a per-tensor activation ``input_scale``); add
+    ``quantization_config`` to config.json."""
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(out_dir, "model.safetensors")
@@ -95,13 +102,15 @@ def _quantize_int8(out_dir: str) -> None:
             scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-8)
             out[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
             out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32)
+            if static:  # calibrated activation range: a fixed 0.02 per tensor step here
+                out[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02], dtype=torch.float32)
         else:
             out[name] = t
     save_file(out, path, metadata={"format": "pt"})
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = _INT8_QCFG
+    cfg["quantization_config"] = _INT8_STATIC_QCFG if static else _INT8_QCFG
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
 
@@ -118,8 +127,8 @@ def build(family: str, out_dir: str, *, seed: int = 0) -> str:
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if family == "int8_w8a8":
-        _quantize_int8(out_dir)
+    if family in ("int8_w8a8", "int8_w8a8_static"):
+        _quantize_int8(out_dir, static=family.endswith("static"))
     if family == "qwen3_fp8_block":
         from .checkpoints import to_block_fp8
 
