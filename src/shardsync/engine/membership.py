@@ -187,6 +187,8 @@ class Membership:
         if v is None:
             members = {cid: (c.digest, c.session) for cid, c in self.consumers.items() if c.digest is not None}
             v = self.versions[version] = _Version(members, epoch, failed=self.failed_early.pop(version, None))
+            for old in [n for n in self.failed_early if n < version]:  # for versions that never began
+                del self.failed_early[old]
             while len(self.versions) > _KEEP_VERSIONS:
                 self.versions.popitem(last=False)
         return v

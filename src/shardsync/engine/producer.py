@@ -177,10 +177,10 @@ class Producer(ServedVersions):
 
     def _early_abandon(self, msg: m.Abandon) -> None:
         """An Abandon for a version this rank has not begun: kept (bounded) until it begins."""
-        last = max(self.versions, default=0)
-        if not last < msg.version <= last + EARLY_ABANDON_AHEAD:
+        lo = max(self.versions) + 1 if self.versions else 0  # the first version this rank has not begun
+        if not lo <= msg.version <= lo + EARLY_ABANDON_AHEAD:
             raise SyncError(f"producer {self.cfg.rank}: abandon of version {msg.version} by {msg.consumer!r}: only "
-                            f"versions {last + 1}..{last + EARLY_ABANDON_AHEAD} can be abandoned before they begin")
+                            f"versions {lo}..{lo + EARLY_ABANDON_AHEAD} can be abandoned before they begin")
         if sum(map(len, self.abandoned.values())) >= EARLY_ABANDON_MAX and msg.consumer not in \
                 self.abandoned.get(msg.version, {}):
             raise SyncError(f"producer {self.cfg.rank}: {EARLY_ABANDON_MAX} early abandons held already")
