@@ -123,9 +123,10 @@ def test_idle_unauthenticated_connections_are_capped_and_a_legitimate_client_get
             flood.append(socket.create_connection(tuple(srv.address), timeout=5))
         assert _wait_for(lambda: srv.admission.refused["capacity"] >= 300 - srv.admission.max_per_source)
         assert srv.admission.pending() <= srv.admission.max_per_source  # one source (loopback): its cap
-        serving = [t for t in threading.enumerate() if t.name == "shardsync-flood-conn"]
-        assert _wait_for(lambda: len([t for t in threading.enumerate() if t.name == "shardsync-flood-conn"])
-                         <= srv.admission.max_per_source + 4), len(serving)
+        def serving() -> int:
+            return sum(t.name == "shardsync-flood-conn" for t in threading.enumerate())
+
+        assert _wait_for(lambda: serving() <= srv.admission.max_per_source + 4), serving()
         t0 = time.monotonic()
         c = ControlClient(srv.address, TOKEN, peer="flooded server")  # the flood is still connected
         assert isinstance(c.call(m.Renew(), timeout_s=5), m.Ack) and time.monotonic() - t0 < 2
@@ -245,7 +246,7 @@ def test_a_hello_cannot_take_over_a_live_consumer(pair) -> None:
 def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_budget(pair) -> None:
     p0, p1, z = pair
     co = p0.coordinator
-    base_keys, base_plans = set(co.routes), set(co.plans)
+    base_keys, base_plans, budget = set(co.routes), set(co.plans), co.max_routed_bytes
     c = ControlClient(p0.address, TOKEN, peer="coordinator")
     one = forged_plan([x.to_dict() for x in co.metadata], "evil0", "amplify")
     per_plan = sum(s.nbytes for g in one.groups for s in g.scatters)
@@ -267,16 +268,10 @@ def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_b
         for cid, s in sessions.items():
             c.call(m.Goodbye(consumer=cid, session=s), timeout_s=10)
     finally:
-        co.max_routed_bytes = m_default(co)
+        co.max_routed_bytes = budget
         c.close()
     _sync2(p0, p1, [z], max(p1.versions) + 1)  # the next version prunes them: nothing packed for the departed
     assert set(co.routes) == base_keys and set(co.plans) == base_plans, (set(co.routes), base_keys)
-
-
-def m_default(co) -> int:
-    from shardsync.engine.coordinator import MAX_ROUTED_COPIES
-
-    return MAX_ROUTED_COPIES * max(sum(x.nbytes for x in co.metadata), 1)
 
 
 def test_the_token_never_shows_in_a_repr() -> None:
