@@ -57,6 +57,7 @@ CASES = [
     ("gpt_oss", 1, False, ()),
     ("qwen3_tied", 2, False, ()),
     ("int8_w8a8", 1, False, ()),
+    ("int8_w8a8_static", 1, False, ()),
     ("mamba2", 1, False, ()),
     ("falcon_h1", 1, False, ()),
 ]

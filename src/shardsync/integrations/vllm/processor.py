@@ -359,9 +359,11 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
             info.loaded_weights, info.load_numel_total = [], 1
             try:
                 vllm_layerwise_process()(layer, info)
-                t_v, y_v = _tensors(layer), _probe(layer)
-                differs = not (set(t_v) == set(t_ref) and _same(list(t_v.values()), [t_ref[n] for n in t_v])
-                               and _same(y_v, y_ref))
+                # tensors only: the kernels vLLM's reload builds are never run. On CPU vLLM 0.32 it re-processes
+                # int8 layers under float32, and the oneDNN handle it builds then writes float32 results into a
+                # bfloat16 output (a heap overflow that killed the worker later, in a destructor).
+                t_v = _tensors(layer)
+                differs = not (set(t_v) == set(t_ref) and _same(list(t_v.values()), [t_ref[n] for n in t_v]))
             except Exception as e:  # vLLM's reload path fails outright on this kind
                 differs, detail = True, (detail + "; " if detail else "") + f"vLLM reload fails: {type(e).__name__}: {e}"
             out[kind] = KindReport(kind=kind, module=name, mode="inplace" if inplace_ok else "rebind",

@@ -127,7 +127,7 @@ def build(family: str, out_dir: str, *, seed: int = 0) -> str:
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if family in ("int8_w8a8", "int8_w8a8_static"):  # static: NOT in FAMILIES (docs/limits.md: its worker dies)
+    if family in ("int8_w8a8", "int8_w8a8_static"):
         _quantize_int8(out_dir, static=family.endswith("static"))
     if family == "qwen3_fp8_block":
         from .checkpoints import to_block_fp8
@@ -136,8 +136,8 @@ def build(family: str, out_dir: str, *, seed: int = 0) -> str:
     return out_dir
 
 
-FAMILIES = ("mixtral", "qwen2_moe", "llama4", "deepseek", "gpt_oss", "qwen3_tied", "int8_w8a8", "mamba2",
-            "falcon_h1")
+FAMILIES = ("mixtral", "qwen2_moe", "llama4", "deepseek", "gpt_oss", "qwen3_tied", "int8_w8a8",
+            "int8_w8a8_static", "mamba2", "falcon_h1")
 CANNOT_LOAD: dict[str, str] = {
     "qwen3_fp8_block": "CPU vLLM 0.32 builds no linear layer for a block-FP8 checkpoint: 'ValueError: Failed to find a "
                        "kernel that can implement the ScaledMM linear layer' at model init. On the GPU (vLLM 0.26, "
