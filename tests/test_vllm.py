@@ -16,6 +16,7 @@ import pytest
 
 from shardsync.integrations.vllm.testing import plugin, tiny_archs
 from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, with_architecture
+from shardsync.integrations.vllm.testing.models import REPROCESS_FAILS
 
 pytestmark = pytest.mark.vllm
 
@@ -151,6 +152,9 @@ if __name__ == "__main__":
         errs["producer"] = f"{type(e).__name__}: {e}"
     th.join(120)
     prod.close()
+    from vllm import SamplingParams  # refused, not dead: the engine still serves its own weights
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0))
+    errs["serves"] = list(out[0].outputs[0].token_ids)
     print(json.dumps(errs))
 '''
 
@@ -160,6 +164,8 @@ if __name__ == "__main__":
     ("drop", "model.layers.1.mlp.down_proj.weight", "no trainer tensor writes"),
     # wider than the engine's: the loaders' narrow would load it cut to the engine's shape
     ("widen", "model.layers.0.mlp.up_proj.weight", "trainer [384, 256], engine [256, 256]"),
+    # a layer whose processing fails when run again (the init-time processing check): refused, the engine still serves
+    ("reprocess", "model.layers.0.mlp.down_proj", "processes its weights only once"),
 ])
 def test_a_trainer_tensor_set_that_does_not_fit_the_engine_is_refused_at_init(ckpts, tmp_path, mode, name,
                                                                               says) -> None:
@@ -167,9 +173,13 @@ def test_a_trainer_tensor_set_that_does_not_fit_the_engine_is_refused_at_init(ck
     init, naming the tensor (and both shapes), and the producer learns of it."""
     script = tmp_path / "unwritten.py"
     script.write_text(UNWRITTEN)
-    proc = subprocess.run([sys.executable, str(script), ckpts("qwen3"), mode, name], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
+    ckpt, env = ckpts("qwen3"), {}
+    if mode == "reprocess":
+        ckpt, env = with_architecture(ckpt, str(tmp_path / mode), REPROCESS_FAILS), plugin.env(models=True)
+    proc = subprocess.run([sys.executable, str(script), ckpt, mode, name], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, **env, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert name in errs.get("engine", "") and says in errs["engine"], errs
     assert "producer" in errs, errs  # the producer's init fails too (within its bound), naming the engine's reason
+    assert len(errs["serves"]) == 4, errs  # and the engine was refused, not killed: it still generates

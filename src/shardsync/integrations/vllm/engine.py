@@ -192,13 +192,16 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             found["record_s"] = time.perf_counter() - t0
             found["checked"] = validate_plan(self.model, self.vllm_config, metas, plan, rank=self.rank) \
                 if init_info.validate else 0
+            # before the plan is registered: a refusal here fails the group's init (the producers learn the reason)
+            found["processing"] = check_processing(self.model, self.vllm_config, plan, rank=self.rank,
+                                                   validate=init_info.validate)
+            _refuse_rebind_under_cuda_graphs(self.vllm_config, found["processing"][1], plan, init_info.validate,
+                                             self.rank)
             return plan
 
         self.plan = self._find_plan(init_info, consumer, record)
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
-        aliases, kinds = check_processing(self.model, self.vllm_config, self.plan, rank=self.rank,
-                                          validate=init_info.validate)
-        _refuse_rebind_under_cuda_graphs(self.vllm_config, kinds, self.plan, init_info.validate, self.rank)
+        aliases, kinds = found["processing"]
         self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
                                         modes={k: r.mode for k, r in kinds.items()})
         self.applier = LayerApplier(self.model, self.plan)
