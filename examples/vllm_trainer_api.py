@@ -124,7 +124,8 @@ def main() -> int:
                 versions.append(requests.get(f"{url}/weight_info", timeout=30).json()["weight_version"])
             print(f"step {step}: loss {loss.item():.3f}  sync {out['seconds']:.2f} s  {out['bytes_sent']} bytes  "
                   f"engine version {versions[-1]}  tokens {tokens}", file=log)
-        report = {"steps": args.steps, "client": args.client, "versions": versions}
+        report = {"steps": args.steps, "client": args.client, "versions": versions,
+                  "engine_workers": engine.engine_workers}  # what the trainer checked world_size against
         if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
             from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference
 

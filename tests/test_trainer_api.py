@@ -39,6 +39,7 @@ def test_vllm_trainer_api_example_into_a_real_engine_is_exact(mode: str) -> None
     assert r["exact"] is True and r["tensors_compared"] > 0 and r["mismatched"] == []
     assert r["versions"] == [str(v) for v in range(1, steps + 1)]
     assert r["tokens"] == r["fresh_tokens"]
+    assert r["engine_workers"] == 1  # the trainer could check world_size (=2) against the engine: LLM or HTTP server
 
 
 @pytest.mark.vllm

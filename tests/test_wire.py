@@ -116,8 +116,10 @@ def test_wrong_and_oversized_tokens_are_refused_before_any_frame(group) -> None:
         ControlClient(p.address, TOKEN + "x", peer="coordinator")
     with pytest.raises(AuthError, match="at most 256"):
         ControlClient(p.address, "x" * 300, peer="coordinator")
-    with socket.create_connection(tuple(p.address), timeout=5) as s:  # a raw peer announcing a 60 KB token
-        s.sendall(struct.pack("!H", 60000))
+    with socket.create_connection(tuple(p.address), timeout=5) as s:  # a raw peer that sends its token in the clear
+        hello = s.recv(19)
+        assert hello[:3] == b"SS2" and len(hello) == 19  # a challenge: the server never asks for the token itself
+        s.sendall(TOKEN.encode().ljust(48, b"\0")[:48])
         assert s.recv(1) == b"E"
     deadline = time.monotonic() + 2  # counted by the serving thread right after it answered
     while p.server.refused["token"] < before + 2 and time.monotonic() < deadline:

@@ -142,7 +142,8 @@ def test_a_dripped_handshake_is_cut_at_one_deadline() -> None:
     try:
         s = socket.create_connection(tuple(srv.address), timeout=5)
         t0, cut = time.monotonic(), None
-        drip = b"\x00\x20" + b"a" * 38  # a 32-byte token announced, then sent one byte every 0.25 s
+        assert s.recv(19)[:3] == b"SS2"  # the server's challenge
+        drip = b"a" * 48  # the 48-byte answer, sent one byte every 0.25 s
         for i in range(40):  # under any per-recv timeout; never a whole token within the deadline
             try:
                 s.sendall(drip[i:i + 1])
@@ -288,11 +289,10 @@ def test_the_token_never_shows_in_a_repr() -> None:
 def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
     """A producer that answers a read one byte at a time (each under any per-recv timeout) fails it typed at the
     read's total deadline, not after the whole payload trickled in."""
-    import struct
-
     import torch
 
     from shardsync.errors import TransportError
+    from shardsync.transport.handshake import server_auth
     from shardsync.transport.tcp import TcpTransport, recv_exact
 
     srv = socket.create_server(("127.0.0.1", 0))
@@ -301,9 +301,7 @@ def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
     def drip() -> None:
         conn, _ = srv.accept()
         with conn:
-            (n,) = struct.unpack("!H", recv_exact(conn, 2))
-            recv_exact(conn, n)
-            conn.sendall(b"K")  # token accepted
+            assert server_auth(conn, TOKEN, deadline_s=5)  # a producer that holds the token
             recv_exact(conn, 16)  # the read request
             conn.sendall(b"K")
             while not stop.is_set():
@@ -324,3 +322,76 @@ def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
     stop.set()
     cons.close()
     srv.close()
+
+
+def test_the_handshake_never_sends_the_token_and_an_answer_cannot_be_replayed() -> None:
+    """Challenge-response both ways (``transport/handshake.py``): what crosses the wire holds no token, a recorded
+    answer does not open a second connection, and a listener without the token cannot pose as a server."""
+    from shardsync.errors import AuthError
+    from shardsync.transport.handshake import client_auth, server_auth
+
+    def through(server_token: str):
+        """A client's handshake with a server holding ``server_token``; every byte the client sent, and the result."""
+        a, b = socket.socketpair()
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.update(ok=server_auth(b, server_token, deadline_s=5)))
+        th.start()
+        try:
+            client_auth(a, TOKEN, peer="producer 0")
+            out["client"] = "ok"
+        except AuthError as e:
+            out["client"] = str(e)
+        th.join(10)
+        a.close()
+        b.close()
+        return out
+
+    assert through(TOKEN) == {"ok": True, "client": "ok"}
+    assert through("another group's token")["client"] == "producer 0 refused this connection's token"
+
+    from shardsync.transport.tcp import recv_exact
+
+    sent = bytearray()  # a sniffer relaying a successful handshake: client <-> (a, r1) relay (r2, b) <-> server
+    a, r1 = socket.socketpair()
+    r2, b = socket.socketpair()
+    th = threading.Thread(target=lambda: server_auth(b, TOKEN, deadline_s=5))
+    th.start()
+
+    def relay() -> None:
+        r1.sendall(recv_exact(r2, 19))
+        sent.extend(recv_exact(r1, 48))
+        r2.sendall(bytes(sent))
+        r1.sendall(recv_exact(r2, 33))
+    rl = threading.Thread(target=relay)
+    rl.start()
+    client_auth(a, TOKEN, peer="producer 0")
+    th.join(10)
+    rl.join(10)
+    for s in (a, r1, r2, b):
+        s.close()
+    assert len(sent) == 48 and TOKEN.encode() not in bytes(sent)
+
+    a, b = socket.socketpair()  # the recorded answer, replayed against a fresh challenge
+    res: dict = {}
+    th = threading.Thread(target=lambda: res.update(ok=server_auth(b, TOKEN, deadline_s=5)))
+    th.start()
+    a.recv(19)
+    a.sendall(bytes(sent))
+    assert a.recv(1) == b"E"
+    th.join(10)
+    assert res == {"ok": False}
+    a.close()
+    b.close()
+
+    a, b = socket.socketpair()  # a listener that speaks the protocol but holds no token: the client refuses it
+    def impostor() -> None:
+        b.sendall(b"SS2" + b"\0" * 16)
+        b.recv(48)
+        b.sendall(b"K" + b"\0" * 32)
+    th = threading.Thread(target=impostor)
+    th.start()
+    with pytest.raises(AuthError, match="without holding the group's token"):
+        client_auth(a, TOKEN, peer="producer 0")
+    th.join(10)
+    a.close()
+    b.close()

@@ -77,12 +77,13 @@ class ControlServer:
             self._conns.add(conn)
         self._serve(conn)
 
+    def _refuse(self) -> None:
+        self.refused["token"] += 1
+        self.admission.refuse("token")
+
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self.auth_timeout_s)
-            if not handshake_server(conn, self.token):
-                self.refused["token"] += 1
-                self.admission.refuse("token")
+            if not handshake_server(conn, self.token, deadline_s=self.auth_timeout_s, on_refused=self._refuse):
                 return
             self.admission.passed(conn)
             conn.settimeout(self.idle_timeout_s)

@@ -212,7 +212,7 @@ class ProducerSync:
                 c = u.chunk
                 region = pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
                 ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                        if pr.cfg.verify_checksums else -1])
+                                        if pr.checksums else -1])
             with pr.cv:
                 st.ready[g] = dict(ready)
                 st.packed.append(g)

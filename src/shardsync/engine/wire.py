@@ -2,9 +2,9 @@
 
 Nothing is allocated or decoded before it is checked (engine rule 5):
 
-1. A connection opens with ``!H`` token length (≤ ``MAX_TOKEN_BYTES``) + the token; the server compares
-   it in constant time and answers one byte (``K`` accepted / ``E`` refused, then closes). No frame is
-   read on a connection that has not authenticated.
+1. A connection opens with the mutual challenge-response of ``transport/handshake.py`` (HMAC-SHA256 over
+   fresh nonces: the token never crosses the wire). No frame is read on a connection that has not
+   authenticated.
 2. Each frame is ``!I`` length + payload; a length over the receiver's ``max_frame_bytes`` closes the
    connection (:class:`FrameTooLarge`) before any buffer is allocated.
 3. Payloads are msgspec-msgpack structs of a closed union (never pickle).
@@ -15,23 +15,20 @@ Nothing is allocated or decoded before it is checked (engine rule 5):
 
 from __future__ import annotations
 
-import hmac
 import socket
 import struct
 from typing import Any
 
-from ..errors import AuthError, TransportError
+from ..errors import TransportError
+from ..transport.handshake import MAX_TOKEN_BYTES, client_auth, server_auth
 from ..transport.tcp import recv_exact
 
 __all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
            "send_frame", "recv_frame", "chunk_checksum", "parse_address"]
 
-MAX_TOKEN_BYTES = 256
 DEFAULT_MAX_FRAME = 256 << 20
 """Largest control frame accepted (a plan of a trillion-parameter model is tens of MB)."""
 _LEN = struct.Struct("!I")
-_TLEN = struct.Struct("!H")
-_OK, _ERR = b"K", b"E"
 
 
 class FrameTooLarge(TransportError):
@@ -39,23 +36,14 @@ class FrameTooLarge(TransportError):
 
 
 def handshake_client(sock: socket.socket, token: str, peer: str) -> None:
-    tok = token.encode()
-    if len(tok) > MAX_TOKEN_BYTES:
-        raise AuthError(f"token is {len(tok)} bytes, at most {MAX_TOKEN_BYTES} are accepted")
-    sock.sendall(_TLEN.pack(len(tok)) + tok)
-    if recv_exact(sock, 1) != _OK:
-        raise AuthError(f"{peer} refused this connection's token")
+    """Authenticate this end of a control connection (``transport/handshake.py``): AuthError when refused;
+    ``ConnectionError``/``socket.timeout`` (retried by the callers) when the connection ends first."""
+    client_auth(sock, token, peer=peer)
 
 
-def handshake_server(sock: socket.socket, token: str) -> bool:
-    """True when the peer presented ``token``; a refused peer is told so (the caller then closes)."""
-    (n,) = _TLEN.unpack(recv_exact(sock, _TLEN.size))
-    if n > MAX_TOKEN_BYTES:
-        sock.sendall(_ERR)
-        return False
-    ok = hmac.compare_digest(recv_exact(sock, n), token.encode())
-    sock.sendall(_OK if ok else _ERR)
-    return ok
+def handshake_server(sock: socket.socket, token: str, *, deadline_s: float = 10.0, on_refused=None) -> bool:
+    """True when the peer proved it holds ``token``; a refused peer is told so (the caller then closes)."""
+    return server_auth(sock, token, deadline_s=deadline_s, on_refused=on_refused)
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:

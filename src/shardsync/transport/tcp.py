@@ -12,7 +12,6 @@ peer times out), answers only reads inside the registered buffer, and closes idl
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import struct
@@ -28,7 +27,6 @@ from .base import Caps, check_range
 
 _REQ = struct.Struct("!QQ")  # offset, nbytes
 _OK, _ERR = b"K", b"E"
-_MAX_TOKEN = 256
 log = logging.getLogger("shardsync.transport.tcp")
 
 
@@ -65,25 +63,24 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None, *,
 
 
 def token_ok(conn: socket.socket, token: str, timeout_s: float, on_refused: Any = None) -> bool:
-    """The server side of the data plane's handshake: the peer's token (length capped, a silent peer times out)
-    compared in constant time; answers OK or ERR (``on_refused()`` runs before the ERR goes out, so a peer that
-    sees the refusal also sees it counted)."""
-    conn.settimeout(timeout_s)
-    (n,) = struct.unpack("!H", recv_exact(conn, 2))
-    if n > _MAX_TOKEN or not hmac.compare_digest(recv_exact(conn, n), token.encode()):
-        if on_refused is not None:
-            on_refused()
-        conn.sendall(_ERR)
-        return False
-    conn.sendall(_OK)
-    return True
+    """The server side of the data plane's handshake (``handshake.py``): True when the peer proved the token."""
+    from .handshake import server_auth
+
+    return server_auth(conn, token, deadline_s=timeout_s, on_refused=on_refused)
 
 
 def send_token(sock: socket.socket, token: str, extra: bytes = b"") -> bool:
-    """The client side: send the token (and ``extra``), True if the server accepted it."""
-    tok = token.encode()
-    sock.sendall(struct.pack("!H", len(tok)) + tok + extra)
-    return recv_exact(sock, 1) == _OK
+    """The client side: prove the token (then send ``extra``); False when the server refused it."""
+    from ..errors import AuthError
+    from .handshake import client_auth
+
+    try:
+        client_auth(sock, token, peer="producer")
+    except AuthError:
+        return False
+    if extra:
+        sock.sendall(extra)
+    return True
 
 
 class TcpTransport:

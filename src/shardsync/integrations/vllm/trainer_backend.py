@@ -34,7 +34,7 @@ from ...engine.producer_sync import finish_lockstep
 from ...errors import SyncError
 from ...sources.adapt import adapt
 from . import compat
-from .clients import as_client
+from .clients import as_client, count_workers
 from .plugin import BACKEND, register_trainer
 
 __all__ = ["ShardsyncTrainerInitInfo", "ShardsyncTrainerEngine"]
@@ -68,7 +68,9 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     init_timeout_s: float = 600.0
     lease_s: float = 10.0
     gather_budget_bytes: int | None = None
-    verify_checksums: bool = False
+    verify_checksums: bool | None = None
+    """Chunk checksums (``ProducerConfig.verify_checksums``; None: on for host rings). True also makes every worker
+    demand them."""
     recv_budget_bytes: int | None = None
     """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
@@ -106,6 +108,9 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         super().__init__(*compat.trainer_engine_init_args(config), client=client, source=source, is_sender=is_sender)
         self.producer = producer
         self.version = 0
+        self.engine_workers: int | None = None
+        """The inference workers the sender's client reported at init (``clients.count_workers``; None: it could
+        not say), checked against ``world_size - 1``."""
 
     @classmethod
     def trainer_init(cls, *args: Any, client: Any, source: Any = None, **kwargs: Any) -> "ShardsyncTrainerEngine":
@@ -146,7 +151,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
             cfg.token, cfg.coordinator = token, address
             producer = Producer(adapt(source), cfg)
         engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0, config=config)
-        workers = getattr(engine.client, "workers", lambda: None)() if engine.is_sender else None
+        workers = engine.engine_workers = count_workers(engine.client) if engine.is_sender else None
         if workers is not None and workers != init_info.world_size - 1:
             producer.close()
             raise ValueError(f"ShardsyncTrainerInitInfo(world_size={init_info.world_size}) counts the sender plus "
@@ -157,7 +162,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
             return engine
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
-                   "verify_checksums": init_info.verify_checksums, "recv_budget_bytes": init_info.recv_budget_bytes}
+                   "verify_checksums": bool(init_info.verify_checksums), "recv_budget_bytes": init_info.recv_budget_bytes}
         # an engine-side failure (a worker that cannot start the backend) ends the producers' init at once
         engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
                      what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)

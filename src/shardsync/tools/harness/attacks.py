@@ -100,12 +100,12 @@ def _bounded(kind: str, coordinator: list, token: str, cid: str, peers: list, vi
             except OSError:
                 break
         return f"{len(_HELD)} idle connections held through the sync"
-    if kind == "drip_handshake":  # a 32-byte token announced, then one byte every 0.5 s, in the background
+    if kind == "drip_handshake":  # the handshake's answer one byte every 0.5 s, in the background
         s = socket.create_connection(addr, timeout=5)
         _HELD.append(s)
 
         def drip() -> None:
-            for b in b"\x00\x20" + b"a" * 40:
+            for b in b"a" * 48:
                 try:
                     s.sendall(bytes([b]))
                 except OSError:

@@ -39,7 +39,7 @@ class LocalCluster:
                  transport: str = "tcp", lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0,
                  spec: dict | None = None, external_consumers: int = 0, baseline: bool = False,
                  lease_s: float = 10.0, min_consumers: int | None = None, join_grace_s: float = 30.0,
-                 verify_checksums: bool = False, producer_extra: dict | None = None,
+                 verify_checksums: bool | None = None, producer_extra: dict | None = None,
                  consumer_extra: dict | None = None):
         self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
         self.timeout_s, self.transport = timeout_s, transport
@@ -53,7 +53,7 @@ class LocalCluster:
                          min_consumers=min_consumers, join_grace_s=join_grace_s, verify_checksums=verify_checksums,
                          **(producer_extra or {}))
         self.spec = spec or {"kind": "zoo", "cfg": self.c}
-        self.ccfg = dict(transport=transport, timeout_s=timeout_s, verify_checksums=verify_checksums,
+        self.ccfg = dict(transport=transport, timeout_s=timeout_s, verify_checksums=bool(verify_checksums),
                          check_spec=self.spec, **(consumer_extra or {}))
         self.bl = None
         if baseline:
