@@ -67,9 +67,13 @@ def server_auth(conn: socket.socket, token: str, *, deadline_s: float,
     return True
 
 
-def client_auth(sock: socket.socket, token: str, *, peer: str, timeout_s: float = 30.0) -> None:
+def client_auth(sock: socket.socket, token: str, *, peer: str, timeout_s: float | None = None) -> None:
     """Prove ``token`` to the server at the other end of ``sock`` and check its proof; :class:`AuthError` naming
-    ``peer`` when the server refuses, is not a shardsync server, or does not hold the token."""
+    ``peer`` when the server refuses, is not a shardsync server, or does not hold the token. The whole exchange
+    ends by ``timeout_s`` (None: the socket's own timeout, else 30 s) — a server that accepted but does not
+    answer (stopped) fails the caller's connect within its bound."""
+    if timeout_s is None:
+        timeout_s = sock.gettimeout() or 30.0
     if len(token.encode()) > MAX_TOKEN_BYTES:
         raise AuthError(f"token is {len(token.encode())} bytes, at most {MAX_TOKEN_BYTES} are accepted")
     deadline, before = time.monotonic() + timeout_s, sock.gettimeout()
