@@ -58,7 +58,7 @@ def server_auth(conn: socket.socket, token: str, *, deadline_s: float,
     conn.sendall(_HELLO + ns)
     answer = _recv(conn, _NONCE + _MAC, deadline)
     nc, proof = answer[:_NONCE], answer[_NONCE:]
-    if not token or not hmac.compare_digest(proof, _mac(token, b"c", ns, nc)):
+    if not hmac.compare_digest(proof, _mac(token, b"c", ns, nc)):
         if on_refused is not None:
             on_refused()
         conn.sendall(_ERR)
