@@ -131,8 +131,10 @@ class GpuProducer:
         return dict(self.prod.stats)
 
     def sync(self, v: int) -> dict:
+        c0 = time.process_time()
         r = profiled(self.args, f"producer{self.rank}", self.prod.sync, v)
-        return {k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s")}
+        return {"cpu_s": time.process_time() - c0,  # host CPU seconds of this process (all its threads)
+                **{k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s")}}
 
     def teardown(self) -> None:
         self.prod.close()
@@ -201,9 +203,11 @@ class GpuConsumer:
                     s.fill_(float("nan"))
 
     def sync(self, v: int) -> dict:
+        c0 = time.process_time()
         r = profiled(self.args, self.cid, self.cons.sync, v)
-        return {k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",
-                                  "transports", "ready_wait_s", "read_s")}
+        return {"cpu_s": time.process_time() - c0,
+                **{k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",
+                                     "transports", "ready_wait_s", "read_s")}}
 
     def check(self, seed: int) -> dict:
         return check(self.zoo, self.metas, self.proc, seed)

@@ -21,6 +21,7 @@ The producer iterates every batch on every rank and keeps only what is routed to
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import Collection, Iterable, Iterator, Mapping, Sequence
 
@@ -38,11 +39,17 @@ Batch = tuple[list[str], list["torch.Tensor | None"]]
 
 def gather_groups(names: Sequence[str]) -> list[list[str]]:
     """Partition names (metadata order) into gather groups, in order of first appearance: the
-    ``weight_group`` of each name (``pre``, ``model.layers.N``, ..., ``post``)."""
+    ``weight_group`` of each name (``pre``, ``model.layers.N``, ..., ``post``). Asked every sync with the same
+    names: the partition is computed once per distinct name list (the hot path matches no regex per tensor)."""
+    return [list(g) for g in _partition(tuple(names))]
+
+
+@functools.lru_cache(maxsize=8)
+def _partition(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     out: dict[str, list[str]] = {}
     for n in names:
         out.setdefault(weight_group(n), []).append(n)
-    return list(out.values())
+    return tuple(tuple(g) for g in out.values())
 
 
 class WeightSource(ABC):
@@ -128,22 +135,36 @@ class ModuleSource(WeightSource):
         unknown = set() if self._held is None else self._held - self._state.keys()
         if unknown:
             raise MetadataMismatch(f"ModuleSource: held names {sorted(unknown)[:5]} are not in the state dict")
+        # the tensors are fixed at construction (an optimizer updates them in place): what a sync asks of the source
+        # — metadata, groups, which tensors to materialise — is computed once, not per tensor per sync
+        self._metas = [ParamMeta(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape)) for n, t in self._state.items()]
+        self._groups = super().groups()
+        self._dtensors = any(callable(getattr(t, "full_tensor", None)) for t in self._state.values())
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape)) for n, t in self._state.items()]
+        return list(self._metas)
 
     def held_names(self) -> Collection[str] | None:
         return self._held
 
+    def groups(self) -> list[list[str]]:
+        return [list(g) for g in self._groups]
+
+    def _get(self, n: str) -> torch.Tensor | None:
+        if self._held is not None and n not in self._held:
+            return None
+        t = self._state[n]
+        return _full(t) if self._dtensors else t
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        for group in self.groups():
+        for group in self._groups:
             for n in group:
-                yield n, (_full(self._state[n]) if self._held is None or n in self._held else None)
+                yield n, self._get(n)
 
     def iter_groups(self) -> Iterator[Batch]:
-        for group in self.groups():
-            yield list(group), [_full(self._state[n]) if self._held is None or n in self._held else None
-                                for n in group]
+        get = self._get
+        for group in self._groups:
+            yield list(group), [get(n) for n in group]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
