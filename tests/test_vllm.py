@@ -2,7 +2,13 @@
 
 Each case runs the CLI in a subprocess: one engine is synced with perturbed weights, a second one is
 started on a checkpoint of the same weights, and every tensor after processing, the probe outputs of
-every linear / LM-head kernel and the greedy tokens are compared (~50-90 s a case here).
+every linear / LM-head kernel and the greedy tokens are compared.
+
+The engines of these cases run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core in the CLI's
+process, a TP1 worker too; TP2 workers are still spawned). What they test — vLLM's loaders recorded, the plan,
+first-load processing replayed, bytes against a fresh engine — runs the same code either way, and a spawned engine
+core costs a vLLM import per engine (a TP1 case: ~20 s in-process against ~75 s). The multi-process engine path a
+user runs is covered by the trainer-API examples, the demo, the torn-engine and chaos tests.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ def ckpts(tmp_path_factory):
     return build
 
 
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def verify(model_dir: str, *args: str, env: dict | None = None) -> tuple[int, dict, str]:
     proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "verify", model_dir, "--json", *args],
-                          capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **IN_PROCESS, **(env or {})})
     lines = proc.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("{"), \
         f"--json must print exactly one JSON line; rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -113,7 +123,7 @@ def test_transfer_engine_into_two_real_vllm_replicas_tp2(tmp_path) -> None:
     every sync compared with a fresh engine on the same weights."""
     proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "demo", "--sync-only", "--json", "--syncs", "2"],
                           capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+                          env={**os.environ, **IN_PROCESS, "TMPDIR": str(tmp_path)})
     rows = [json.loads(ln) for ln in proc.stdout.splitlines()]
     assert proc.returncode == 0 and len(rows) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     for r in rows:
@@ -177,7 +187,8 @@ def test_a_trainer_tensor_set_that_does_not_fit_the_engine_is_refused_at_init(ck
     if mode == "reprocess":
         ckpt, env = with_architecture(ckpt, str(tmp_path / mode), REPROCESS_FAILS), plugin.env(models=True)
     proc = subprocess.run([sys.executable, str(script), ckpt, mode, name], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **env, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
+                          timeout=600,
+                          env={**os.environ, **IN_PROCESS, **env, "VLLM_LOGGING_STREAM": "ext://sys.stderr"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert name in errs.get("engine", "") and says in errs["engine"], errs
