@@ -38,7 +38,7 @@ from torch import nn
 from ...errors import PlanError, SyncError
 
 __all__ = ["install_snapshot_hook", "FreshState", "TensorSnapshot", "fresh_state", "process_fresh", "probe",
-           "run_processing", "set_state", "capture_state", "default_dtype", "scratch_clone"]
+           "run_processing", "set_state", "capture_state", "default_dtype", "scratch_clone", "state_flags"]
 
 _TORCH_INTERNAL = frozenset(nn.Module().__dict__)
 _FRESH: "WeakKeyDictionary[nn.Module, FreshState]" = WeakKeyDictionary()
@@ -192,6 +192,16 @@ def find_buffer_views(model: nn.Module) -> list[BufferView]:
 
 def buffer_views(model: nn.Module) -> list[BufferView]:
     return list(_ALIASES.get(model, []))
+
+
+def state_flags(module: nn.Module) -> list[str]:
+    """The boolean switches that are True in the module's recorded first-load state: its own attributes and
+    (``qm.``-prefixed) its quant method's, torch's module bookkeeping left out. Empty where none was recorded."""
+    st = _FRESH.get(module)
+    if st is None:
+        return []
+    return sorted({f"{p}{k}" for p, d in (("", st.attrs), ("qm.", st.qm or {}))
+                   for k, v in d.items() if v is True and k not in _TORCH_INTERNAL})
 
 
 def fresh_state(module: nn.Module, name: str = "") -> FreshState:

@@ -28,22 +28,32 @@ from ...errors import PlanError, SyncError
 from .compat import is_deferred_attention_layer
 from .engine_state import weight_state_attrs
 from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
-                    set_state)
+                    set_state, state_flags)
 
 __all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "restore_live", "validate_processing"]
 
 
 def kind_of(layer: nn.Module) -> str:
-    """Module class, quant method class and the checkpoint-format tensors' names and ranks (a 3-D conv
-    weight in a linear class processes differently from a 2-D one). Call it while the layer holds
-    checkpoint-format tensors (dry run or mid-sync), so both sides agree."""
+    """What a layer's processing depends on, as one key: :func:`validate_processing` checks one layer per key
+    and every layer with that key takes the mode chosen for it, so two layers whose processing can take
+    different paths must never share one. Module class, quant method class, the checkpoint-format tensors'
+    names, ranks, shapes and dtypes (a 3-D conv weight in a linear class processes differently from a 2-D one;
+    CPU vLLM picks a GEMM kernel by size) and the boolean switches set in the layer's first-load state, its own
+    or its quant method's (``{...}``: those that are True). Such a switch may be set by another module: MLA
+    marks its ``kv_b_proj`` ``_cpu_skip_gemm_dispatch``, so on CPU that linear keeps its weight and plain
+    ``F.linear`` (``inplace`` is right for it) while an unmarked linear of the same class and quant method
+    builds a oneDNN handle from its weight (``inplace`` would keep the old handle). Call it while the layer
+    holds checkpoint-format tensors (dry run or mid-sync), so both sides agree; the switches are read from the
+    recorded first-load state, which processing never changes."""
     qm = getattr(layer, "quant_method", None)
-    sig = ",".join(f"{n}:{t.dim()}d" for n, t in sorted(TensorSnapshot.of(layer).tensors().items()))
+    sig = ",".join(f"{n}:{t.dim()}d:{'x'.join(map(str, t.shape)) or '-'}:{str(t.dtype).removeprefix('torch.')}"
+                   for n, t in sorted(TensorSnapshot.of(layer).tensors().items()))
     base = f"{type(layer).__name__}/{type(qm).__name__}" if qm is not None else type(layer).__name__
     scheme = getattr(layer, "scheme", None)  # compressed-tensors delegates processing to a per-layer scheme
     if scheme is not None:
         base += f"/{type(scheme).__name__}"
-    return f"{base}[{sig}]"
+    flags = state_flags(layer)
+    return f"{base}[{sig}]" + (f"{{{','.join(flags)}}}" if flags else "")
 
 
 def _reload():
