@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
+from shardsync.integrations.ray.registry import NAMESPACE
 from shardsync.tools.harness.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
 from shardsync.zoo import ZooConfig
 
@@ -31,10 +32,10 @@ def _sync(trainers, engines, v):
     return out[:len(trainers)], out[len(trainers):]
 
 
-# Runs first (before the module's local Ray instance and the RDT tests): after an RDT test in the same
-# driver process, a raylet added back to a new ray.cluster_utils.Cluster did not get the restarted engine's
-# init done within 120 s (3 of 3 runs; alone, or after the other tests, it passes in ~20 s). Not understood
-# yet (see the closing note of 2026-11-30).
+# Runs first, before the module's local Ray instance. It once failed after other Ray tests (the restarted engine's
+# init not done in 120 s): the group's registry actor, placed with a *soft* affinity to producer 0's node, landed on
+# another raylet (3 of 5 probes) and died with C, so the restarted engine's lookup found no group. publish() pins it
+# (hard affinity) and the test asserts where it runs.
 def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_node() -> None:
     """A local cluster of raylets: data-parallel trainer ranks on nodes A and B (each holds every tensor), engines on
     A, B and C. The engines on A and B read only from their node's producer; C's reads from either. C's raylet is removed
@@ -45,11 +46,11 @@ def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = {n: cluster.add_node(num_cpus=2, resources={n: 10}) for n in ("A", "B", "C")}
-    ray.init(address=cluster.address, log_to_driver=False, namespace="shardsync-tests")
     group = "policy-nodes"
     trainers, engines, watch = [], {}, None
-    try:
+    try:  # a raylet that fails to start still shuts the cluster down
+        nodes = {n: cluster.add_node(num_cpus=2, resources={n: 10}) for n in ("A", "B", "C")}
+        ray.init(address=cluster.address, log_to_driver=False, namespace="shardsync-tests")
         trainers = [TrainerRank.options(resources={n: 1}).remote(ZOO, r, 2, group=group, n_consumers=3, lease_s=30.0,
                                                                    timeout_s=60, replicated=True)
                     for r, n in enumerate(("A", "B"))]
@@ -59,6 +60,10 @@ def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_
 
         engines = {n: engine(n) for n in ("A", "B", "C")}
         ray.get([a.init.remote() for a in trainers + list(engines.values())], timeout=240)
+        # the group's registry lives on producer 0's node (A): on C it would die with C's raylet below and the
+        # restarted engine's lookup would find no group
+        registry = ray.get_actor(f"sync-group:{group}", namespace=NAMESPACE)
+        assert ray.get(registry.node.remote(), timeout=30) == nodes["A"].node_id
         watch = EngineWatch(group)
         for n, e in engines.items():
             watch.watch(e, [f"e{n}/tp0"])
@@ -87,8 +92,9 @@ def test_multi_raylet_cluster_routes_to_same_node_producers_and_survives_a_lost_
     finally:
         if watch is not None:
             watch.stop()
-        forget(group)
-        ray.shutdown()
+        if ray.is_initialized():
+            forget(group)
+            ray.shutdown()
         cluster.shutdown()
 
 

@@ -32,6 +32,10 @@ class _Registry:
     def get(self) -> dict[str, Any] | None:
         return self.info
 
+    def node(self) -> str:
+        """The Ray node id this registry runs on (it must be producer 0's: ``publish``)."""
+        return ray.get_runtime_context().get_node_id()
+
 
 def _name(group: str) -> str:
     return f"sync-group:{group}"
@@ -39,11 +43,15 @@ def _name(group: str) -> str:
 
 def publish(group: str, info: dict[str, Any]) -> None:
     """Record the group's coordinator (replacing an earlier one: a restarted producer 0). The registry actor is
-    placed on the caller's node (producer 0's; soft): left to Ray it could land on an engine's node and die with it,
-    and engines restarted after that node's loss would wait for a lookup on a dead actor."""
+    pinned to the caller's node (producer 0's, where the coordinator runs): left to Ray it could land on an engine's
+    node and die with it, and engines restarted after that node's loss would wait out ``lookup``'s bound for a name
+    that no longer exists. The pin is hard: a *soft* node affinity did not hold on Ray 2.60 — a 0-CPU actor asked
+    for on producer 0's node landed on other raylets (3 of 5 placements measured, the head included), so a removed
+    engine node took the registry with it. The actor needs no resources, so the caller's (live) node always fits
+    it; if that node dies, the coordinator died with it and a restarted producer 0 publishes again."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     reg = _Registry.options(name=_name(group), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
                             scheduling_strategy=here).remote()
     ray.get(reg.put.remote(info))
