@@ -13,6 +13,7 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
     python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
     python benchmarks/gpu_vllm.py --model tiny-mla --quant fp8      # DeepSeek-V3-style MLA + MoE, FP8 online
     python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-block  # a block-FP8 checkpoint (128x128 scales)
+    python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-channel  # compressed-tensors FP8 (channel scales)
     python benchmarks/gpu_vllm.py --model tiny --torn               # + a sync aborted mid-way, then healed
     python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
 
@@ -321,8 +322,9 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=3)
     ap.add_argument("--baseline", action="store_true", help="also vLLM's own ipc backend")
     ap.add_argument("--quant", choices=("fp8",), default=None, help="online quantisation of the bf16 checkpoint")
-    ap.add_argument("--checkpoint", choices=("bf16", "fp8-block"), default="bf16",
-                    help="the checkpoint's format (fp8-block: 128x128 block scales, as DeepSeek-V3 ships)")
+    ap.add_argument("--checkpoint", choices=("bf16", "fp8-block", "fp8-channel"), default="bf16",
+                    help="the checkpoint's format (fp8-block: 128x128 block scales, as DeepSeek-V3 ships; "
+                         "fp8-channel: compressed-tensors FP8, per-channel weight scales, dynamic activations)")
     ap.add_argument("--torn", action="store_true", help="then a sync aborted mid-way, then a complete one")
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
     ap.add_argument("--json", action="store_true")
@@ -341,6 +343,10 @@ def main() -> int:
         from shardsync.integrations.vllm.testing.checkpoints import to_block_fp8
 
         to_block_fp8(ckpt)
+    if args.checkpoint == "fp8-channel":
+        from shardsync.integrations.vllm.testing.checkpoints import to_channel_fp8
+
+        to_channel_fp8(ckpt)
     final = os.path.join(work, f"v{args.syncs}")
     _save_version(ckpt, final, args.syncs)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}

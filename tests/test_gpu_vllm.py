@@ -28,6 +28,7 @@ CASES = [  # (model, extra flags)
     ("tiny-mla", []),                         # DeepSeek-V3-style MLA (W_UK_T / W_UV from kv_b_proj) + MoE
     ("tiny", ["--quant", "fp8"]),             # FP8 online quantisation of a bf16 checkpoint
     ("tiny", ["--checkpoint", "fp8-block"]),  # a block-FP8 checkpoint (128x128 weight_scale_inv)
+    ("tiny", ["--checkpoint", "fp8-channel"]),  # compressed-tensors FP8: per-channel weight_scale, dynamic acts
 ]
 IDS = [f"{m}{''.join(f)}" for m, f in CASES]
 

@@ -114,6 +114,41 @@ def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
     return ckpt
 
 
+def to_channel_fp8(ckpt: str) -> str:
+    """Rewrite a bf16 checkpoint in place as a compressed-tensors FP8 checkpoint (``float-quantized``): every 2-D
+    linear weight of the decoder layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale``
+    per output channel ([out, 1]; static, symmetric), activations quantised per token at run time (dynamic)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    state, out = load_checkpoint(ckpt), {}
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for k, t in state.items():
+        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
+            out[k] = t
+            continue
+        scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fmax
+        out[k] = (t.float() / scale).to(torch.float8_e4m3fn)
+        out[k[: -len("weight")] + "weight_scale"] = scale.float().contiguous()
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
+        os.remove(f)
+    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                                      "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    with open(os.path.join(ckpt, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    return ckpt
+
+
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
