@@ -84,14 +84,10 @@ def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
     """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
     layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per ``block`` x
     ``block`` tile; ``config.json`` gets the matching ``quantization_config``."""
-    import json
-
-    from safetensors.torch import save_file
-
     state, out = load_checkpoint(ckpt), {}
     fmax = torch.finfo(torch.float8_e4m3fn).max
     for k, t in state.items():
-        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
+        if not _quantizable(k, t):
             out[k] = t
             continue
         n, m = t.shape
@@ -101,49 +97,50 @@ def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
         out[k] = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m)
         out[k[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
-    for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
-        os.remove(f)
-    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                  "weight_block_size": [block, block]}
-    with open(os.path.join(ckpt, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    return ckpt
+    return _write_quantized(ckpt, out, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": [block, block]})
 
 
 def to_channel_fp8(ckpt: str) -> str:
     """Rewrite a bf16 checkpoint in place as a compressed-tensors FP8 checkpoint (``float-quantized``): every 2-D
     linear weight of the decoder layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale``
     per output channel ([out, 1]; static, symmetric), activations quantised per token at run time (dynamic)."""
-    import json
-
-    from safetensors.torch import save_file
-
     state, out = load_checkpoint(ckpt), {}
     fmax = torch.finfo(torch.float8_e4m3fn).max
     for k, t in state.items():
-        if not (k.endswith(".weight") and t.dim() == 2 and ".layers." in k and not k.endswith("mlp.gate.weight")):
+        if not _quantizable(k, t):
             out[k] = t
             continue
         scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fmax
         out[k] = (t.float() / scale).to(torch.float8_e4m3fn)
         out[k[: -len("weight")] + "weight_scale"] = scale.float().contiguous()
-    for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
-        os.remove(f)
-    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
-              metadata={"format": "pt"})
-    with open(os.path.join(ckpt, "config.json")) as f:
-        cfg = json.load(f)
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-    cfg["quantization_config"] = {
+    return _write_quantized(ckpt, out, {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"],
                                       "weights": {**fp8, "strategy": "channel", "dynamic": False},
                                       "input_activations": {**fp8, "strategy": "token", "dynamic": True}}},
-        "ignore": ["lm_head", "re:.*mlp.gate$"]}
+        "ignore": ["lm_head", "re:.*mlp.gate$"]})
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    """A 2-D linear weight of a decoder layer, MoE routers (``mlp.gate``) excluded."""
+    return name.endswith(".weight") and t.dim() == 2 and ".layers." in name and not name.endswith("mlp.gate.weight")
+
+
+def _write_quantized(ckpt: str, state: dict[str, torch.Tensor], qcfg: dict) -> str:
+    """Replace ``ckpt``'s weights with ``state`` (one file) and set its config's ``quantization_config``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
+        os.remove(f)
+    save_file({k: t.contiguous() for k, t in state.items()}, os.path.join(ckpt, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qcfg
     with open(os.path.join(ckpt, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     return ckpt
