@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 import zlib
+from typing import Callable
 
 import torch
 
@@ -84,38 +85,34 @@ def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
     """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
     layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per ``block`` x
     ``block`` tile; ``config.json`` gets the matching ``quantization_config``."""
-    state, out = load_checkpoint(ckpt), {}
     fmax = torch.finfo(torch.float8_e4m3fn).max
-    for k, t in state.items():
-        if not _quantizable(k, t):
-            out[k] = t
-            continue
+
+    def quantize(k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         n, m = t.shape
         if n % block or m % block:
             raise ValueError(f"{k}: shape {list(t.shape)} is not a multiple of the {block}x{block} FP8 block")
         tiles = t.float().reshape(n // block, block, m // block, block)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
-        out[k] = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m)
-        out[k[: -len("weight")] + "weight_scale_inv"] = scale.float().contiguous()
-    return _write_quantized(ckpt, out, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [block, block]})
+        return {k: (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m),
+                k[: -len("weight")] + "weight_scale_inv": scale.float().contiguous()}
+
+    return quantize_checkpoint(ckpt, quantize, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                                "weight_block_size": [block, block]})
 
 
 def to_channel_fp8(ckpt: str) -> str:
     """Rewrite a bf16 checkpoint in place as a compressed-tensors FP8 checkpoint (``float-quantized``): every 2-D
     linear weight of the decoder layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale``
     per output channel ([out, 1]; static, symmetric), activations quantised per token at run time (dynamic)."""
-    state, out = load_checkpoint(ckpt), {}
     fmax = torch.finfo(torch.float8_e4m3fn).max
-    for k, t in state.items():
-        if not _quantizable(k, t):
-            out[k] = t
-            continue
+
+    def quantize(k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / fmax
-        out[k] = (t.float() / scale).to(torch.float8_e4m3fn)
-        out[k[: -len("weight")] + "weight_scale"] = scale.float().contiguous()
+        return {k: (t.float() / scale).to(torch.float8_e4m3fn),
+                k[: -len("weight")] + "weight_scale": scale.float().contiguous()}
+
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-    return _write_quantized(ckpt, out, {
+    return quantize_checkpoint(ckpt, quantize, {
         "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"],
                                       "weights": {**fp8, "strategy": "channel", "dynamic": False},
@@ -123,20 +120,26 @@ def to_channel_fp8(ckpt: str) -> str:
         "ignore": ["lm_head", "re:.*mlp.gate$"]})
 
 
-def _quantizable(name: str, t: torch.Tensor) -> bool:
+def decoder_linear(name: str, t: torch.Tensor) -> bool:
     """A 2-D linear weight of a decoder layer, MoE routers (``mlp.gate``) excluded."""
     return name.endswith(".weight") and t.dim() == 2 and ".layers." in name and not name.endswith("mlp.gate.weight")
 
 
-def _write_quantized(ckpt: str, state: dict[str, torch.Tensor], qcfg: dict) -> str:
-    """Replace ``ckpt``'s weights with ``state`` (one file) and set its config's ``quantization_config``."""
+def quantize_checkpoint(ckpt: str, quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]], qcfg: dict,
+                        *, select: Callable[[str, torch.Tensor], bool] = decoder_linear) -> str:
+    """Rewrite ``ckpt`` in place (one weights file): each tensor ``select`` picks is replaced by what
+    ``quantize(name, tensor)`` returns (the quantised tensor under its name and its scales), the others are kept in
+    order; ``config.json`` gets ``qcfg`` as its ``quantization_config``."""
     import json
 
     from safetensors.torch import save_file
 
+    out: dict[str, torch.Tensor] = {}
+    for k, t in load_checkpoint(ckpt).items():
+        out.update(quantize(k, t) if select(k, t) else {k: t})
     for f in glob.glob(os.path.join(ckpt, "*.safetensors")) + glob.glob(os.path.join(ckpt, "*.index.json")):
         os.remove(f)
-    save_file({k: t.contiguous() for k, t in state.items()}, os.path.join(ckpt, "model.safetensors"),
+    save_file({k: t.contiguous() for k, t in out.items()}, os.path.join(ckpt, "model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)

@@ -12,7 +12,6 @@ deepseek tokens are still the same from run to run.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -91,28 +90,19 @@ def _quantize_int8(out_dir: str, *, static: bool = False) -> None:
     """Rewrite the bf16 checkpoint in ``out_dir``: every decoder-layer Linear weight -> int8 ``weight`` +
     float32 ``weight_scale`` of shape [out, 1] (``static``: and a per-tensor activation ``input_scale``); add
     ``quantization_config`` to config.json."""
-    from safetensors.torch import load_file, save_file
+    from .checkpoints import quantize_checkpoint
 
-    path = os.path.join(out_dir, "model.safetensors")
-    state = load_file(path)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if ".layers." in name and name.endswith("proj.weight") and t.dim() == 2:
-            w = t.float()
-            scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-8)
-            out[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
-            out[name[: -len("weight")] + "weight_scale"] = scale.to(torch.float32)
-            if static:  # calibrated activation range: a fixed 0.02 per tensor step here
-                out[name[: -len("weight")] + "input_scale"] = torch.tensor([0.02], dtype=torch.float32)
-        else:
-            out[name] = t
-    save_file(out, path, metadata={"format": "pt"})
-    cfg_path = os.path.join(out_dir, "config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = _INT8_STATIC_QCFG if static else _INT8_QCFG
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f, indent=2)
+    def quantize(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = t.float()
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-8)
+        stem = name[: -len("weight")]
+        out = {name: torch.round(w / scale).clamp(-128, 127).to(torch.int8), stem + "weight_scale": scale}
+        if static:  # calibrated activation range: a fixed 0.02 per tensor step here
+            out[stem + "input_scale"] = torch.tensor([0.02], dtype=torch.float32)
+        return out
+
+    quantize_checkpoint(out_dir, quantize, _INT8_STATIC_QCFG if static else _INT8_QCFG,
+                        select=lambda name, t: ".layers." in name and name.endswith("proj.weight") and t.dim() == 2)
 
 
 def build(family: str, out_dir: str, *, seed: int = 0) -> str:
