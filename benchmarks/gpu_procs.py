@@ -73,7 +73,9 @@ class Processor:
 
 
 def _transport(name: str) -> tuple[str, dict]:
-    t, _, backend = name.partition(":")
+    """``cuda_ipc``, ``nccl:gloo`` (a backend); suffixes: ``+slots`` (the consumer reads through receive slots even
+    where it could read the producer's ring directly), ``+checksums`` (xxh3 of every chunk, sent and verified)."""
+    t, _, backend = name.split("+")[0].partition(":")
     return t, ({"backend": backend} if backend else {})
 
 
@@ -122,7 +124,7 @@ class GpuProducer:
         pcfg = ProducerConfig(rank=self.rank, n_producers=self.n, n_consumers=n_cons, token=TOKEN, transport=t,
                               transport_kwargs=kw, coordinator=coord, device=str(self.dev) if self.dev.type == "cuda"
                               else None, max_chunk_bytes=a.chunk_mb << 20, lookahead=a.lookahead, timeout_s=300,
-                              lease_s=30)
+                              lease_s=30, verify_checksums=True if "+checksums" in tname else None)
         self.prod = Producer(self.source, pcfg)
         return self.prod.address
 
@@ -187,8 +189,10 @@ class GpuConsumer:
     def setup(self, tname: str, coord) -> dict:
         """A consumer over ``tname``, initialised (plan registered, routes known); its stats."""
         t, kw = _transport(tname)
+        direct = False if self.full_pull or tname.endswith("+slots") else None  # full pull: apply wants a buffer
         self.cons = Consumer(self.cid, coord, token=TOKEN, record=lambda _m: self.plan, apply=self.apply,
                              transport=t, transport_kwargs=kw, timeout_s=300, recv_slots=self.args.recv_slots,
+                             direct_reads=direct, verify_checksums="+checksums" in tname,
                              device=str(self.dev) if self.dev.type == "cuda" else None)
         self.cons.init()
         return dict(self.cons.stats, plan_bytes=self.plan.nbytes)
@@ -207,7 +211,7 @@ class GpuConsumer:
         r = profiled(self.args, self.cid, self.cons.sync, v)
         return {"cpu_s": time.process_time() - c0,
                 **{k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",
-                                     "transports", "ready_wait_s", "read_s")}}
+                                     "transports", "ready_wait_s", "read_s", "direct_from")}}
 
     def check(self, seed: int) -> dict:
         return check(self.zoo, self.metas, self.proc, seed)

@@ -157,3 +157,6 @@ def test_packer_and_unpacker_reuse_views_only_while_tensors_stay_the_same() -> N
     assert probe() is None, "the view cache kept a gathered tensor alive"
     params = {n: p.clone() for n, p in params.items()}  # new destination tensors: written, not the old ones
     assert all(roundtrip(full).values())
+    for p in params.values():  # the same objects, new storage (a `.data` swap): written there, not the old storage
+        p.data = torch.zeros_like(p)
+    assert all(roundtrip(full).values())

@@ -2,8 +2,9 @@
 
 It follows ``engine/schedule.py``'s rule 10. Groups come from the sync's :class:`~.puller.PullRound` (in the
 order they complete, which may differ from transfer order); each is applied on the consumer's lane
-(``apply(group, receive slot)``), fenced (an event with a deadline, never a device synchronize), and its
-receive slot freed. After a failure nothing more is applied; slots are still freed::
+(``apply(group, receive slot)``, or ``apply(group, ChunkParts)`` when chunks were read directly from a producer's
+mapped ring), fenced (an event with a deadline, never a device synchronize), and its receive slot freed — or, read
+directly, the group released to its producers. After a failure nothing more is applied; slots are still freed::
 
     applier = Applier(consumer, rnd)
     applier.start()
@@ -46,13 +47,14 @@ class Applier(threading.Thread):
                     t0 = time.perf_counter()
                     self.applied_any = True
                     with c.lane:
-                        c.apply(g, c.slots[rnd.slots.slot[g]])
+                        c.apply(g, rnd.take(g))
                     c.lane.fence(timeout_s=c.timeout_s, what=f"consumer {c.id}: applying group {g!r}")
                     self.seconds += time.perf_counter() - t0
+                    rnd.applied(g)
             except BaseException as e:  # surfaces in the calling thread
                 rnd.fail(e)
             finally:
-                rnd.slots.release(g)
+                rnd.free(g)
 
     def finish(self, *, timeout_s: float) -> bool:
         """No more groups: wait up to ``timeout_s`` for the queued ones; True once the thread has ended."""

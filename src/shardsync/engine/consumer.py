@@ -56,7 +56,8 @@ class Consumer:
                  timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = ""):
+                 device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = "",
+                 direct_reads: bool | None = None):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
@@ -80,6 +81,12 @@ class Consumer:
         allocated there once (``stats["recv_bytes"]``: subtract it from ``gpu_memory_utilization``), transfers land
         on the transport's own streams, and ``apply`` runs on a side stream whose work is waited for (an event, not
         a device synchronize) before its slot is reused."""
+        self.direct_reads = direct_reads
+        """Copy a group straight from a producer's ring into the parameters when the transport maps that ring into
+        this process on this consumer's device (``cuda_ipc`` colocated; ``loopback``): one memory pass and no
+        receive slot for that producer, which is released once the group is applied. ``apply`` then gets a
+        :class:`~shardsync.plan.pack.ChunkParts` (every ``GroupUnpacker`` takes both). None: on for GPU consumers,
+        False: always through receive slots."""
         if self.lane.cuda and not self.transport.caps.gpu:
             raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
                             f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
@@ -118,7 +125,9 @@ class Consumer:
                 if n < 2:
                     raise SyncError(f"consumer {self.id}: recv_budget_bytes={self.recv_budget_bytes} holds fewer than "
                                     f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
-            self.slots = [torch.empty(slot, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
+            self._slot_shape = (n, slot)
+            self.slots: list[torch.Tensor] = []
+            """Receive slots, allocated at the first sync that reads some producer through them."""
             routes = m.expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
                                                              plan=self.plan.to_json(), node=self.node),
                                               timeout_s=self.init_timeout_s + 5), m.Routes, peer)
@@ -220,7 +229,11 @@ class Consumer:
             session = self.session
         view = self._begin(version, session)
         self._connect(view.producers)
-        rnd = PullRound(self, version, session)
+        direct = self._direct()
+        if not self.slots and any(p not in direct for per in self.routes.values() for p in per):
+            n, size = self._slot_shape
+            self.slots = [torch.empty(size, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
+        rnd = PullRound(self, version, session, direct)
         applier = self._applier = Applier(self, rnd)
         applier.start()
         pullers: list[Puller | SerialPuller] = [Puller(self, rnd, p) for p in rnd.serving] \
@@ -236,16 +249,31 @@ class Consumer:
                     t.join(timeout=self.lease_s)
         finally:
             finished = applier.finish(timeout_s=self.timeout_s)
+            rnd.finish_releases(self.lease_s + 1)
         rnd.raise_first()
         if not finished:
             raise SyncError(f"consumer {self.id}: applying version {version} did not finish within {self.timeout_s} s")
         self.coord.call(m.Completed(consumer=self.id, session=session, version=version), timeout_s=self.lease_s + 1)
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=rnd.received,
-                          apply_s=applier.seconds, rejoins=self.rejoins, recv_slots_used=rnd.slots.max_in_use,
-                          recv_bytes=len(self.slots) * self.slots[0].numel(), pulled_from=sorted(rnd.serving),
+                          apply_s=applier.seconds, rejoins=self.rejoins, recv_slots_used=rnd.slots.max_in_use if rnd.slots is not None else 0,
+                          recv_bytes=sum(x.numel() for x in self.slots), pulled_from=sorted(rnd.serving),
+                          direct_from=sorted(direct),
                           transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
                                       for p in rnd.serving}, ready_wait_s=rnd.ready_wait_s, read_s=rnd.read_s)
         return dict(self.stats)
+
+    def _direct(self) -> dict[int, Any]:
+        """Producer -> its ring mapped into this process, for those read directly (``direct_reads``): the transport
+        offers a view and it lies on this consumer's device (a copy across devices would run per tensor)."""
+        view = getattr(self.transport, "view", None)
+        if self.direct_reads is False or view is None or (self.direct_reads is None and not self.lane.cuda):
+            return {}
+        out = {}
+        for p in sorted({p for per in self.routes.values() for p in per}):
+            v = view(p)
+            if v is not None and v.device == self.lane.device:
+                out[p] = v
+        return out
 
     def _connect(self, producers: list[dict[str, Any]]) -> None:
         for info in producers:

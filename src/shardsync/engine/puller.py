@@ -17,12 +17,14 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from . import messages as m
 from .recvslots import RecvSlots
 from .wire import chunk_checksum
 from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
+from ..plan.pack import ChunkParts
 
 if TYPE_CHECKING:
     from .consumer import Consumer
@@ -41,11 +43,20 @@ def producer_lost(consumer_id: str, p: int, version: int, group: str, e: Excepti
 class PullRound:
     """One sync of one consumer: what its pullers and its applier share."""
 
-    def __init__(self, consumer: Consumer, version: int, session: str):
-        self.version, self.session = version, session
+    def __init__(self, consumer: Consumer, version: int, session: str,
+                 direct: dict[int, Any] | None = None):
+        self.c, self.version, self.session = consumer, version, session
         self.order = [g.name for g in consumer.plan.groups]
         """Every group of the plan, in transfer order."""
-        self.slots = RecvSlots(len(consumer.slots), self.order)
+        self.direct: dict[int, Any] = dict(direct or {})
+        """Producer -> its buffer mapped into this process, for the producers read directly (no receive slot: the
+        apply copies straight from their rings; they are released once the group is applied)."""
+        self.slots = RecvSlots(len(consumer.slots), self.order) if consumer.slots else None
+        self.parts: dict[str, list] = {}
+        """Group -> [(chunk, bytes in a producer's mapped buffer)] of its directly read chunks."""
+        self._releases: list[Future] = []
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix=f"shardsync-release-{consumer.id}") \
+            if self.direct else None
         self.serving = {p: [g for g in self.order if p in consumer.routes[g]]
                         for p in sorted({p for per in consumer.routes.values() for p in per})}
         """Producer -> the groups it serves this consumer, in transfer order."""
@@ -67,7 +78,57 @@ class PullRound:
         """Record a failure (surfaced in the calling thread); every puller and the applier stop."""
         self.errors.append(e)
         self.failing.set()
-        self.slots.wake()
+        if self.slots is not None:
+            self.slots.wake()
+
+    def read_directly(self, p: int, group: str, parts: list) -> None:
+        with self._lock:
+            self.parts.setdefault(group, []).extend(parts)
+
+    def take(self, group: str) -> Any:
+        """What ``apply`` gets for a landed group: its receive slot, or :class:`ChunkParts` when some of its
+        chunks were read directly (the others are in the slot, at their layout offsets)."""
+        c = self.c
+        with self._lock:
+            direct = self.parts.pop(group, None)
+        slot = c.slots[self.slots.slot[group]] if self.slots is not None and group in self.slots.slot else None
+        if not direct:
+            return slot
+        have = {ch.index for ch, _ in direct}
+        rest = [(ch, slot[ch.start: ch.start + ch.nbytes]) for ch in c.layouts[group].chunks if ch.index not in have] \
+            if slot is not None else []
+        return ChunkParts(direct + rest)
+
+    def applied(self, group: str) -> None:
+        """``group`` is applied (its fence passed): release it to the producers read directly, in the background."""
+        assert self._releaser is not None or not self.direct
+        for p in sorted(set(self.c.routes[group]) & self.direct.keys()):
+            self._releases.append(self._releaser.submit(release, self.c, self, p, group))  # type: ignore[union-attr]
+
+    def free(self, group: str) -> None:
+        if self.slots is not None and group in self.slots.slot:
+            self.slots.release(group)
+
+    def finish_releases(self, timeout_s: float) -> None:
+        """Wait (bounded) for the releases sent after applies; a failed or late one fails the round. After a
+        failure none is waited for (the producers learn of the failed version from the coordinator and the
+        ``Abandon``)."""
+        if self._releaser is None:
+            return
+        try:
+            deadline = time.monotonic() + timeout_s
+            for f in self._releases:
+                if self.failing.is_set():
+                    break
+                try:
+                    f.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    raise SyncError(f"consumer {self.c.id}: a producer did not acknowledge a release of version "
+                                    f"{self.version} within {timeout_s} s") from None
+        except BaseException as e:
+            self.fail(e)
+        finally:
+            self._releaser.shutdown(wait=False, cancel_futures=True)
 
     def landed(self, p: int, group: str, nbytes: int) -> None:
         """Producer ``p``'s part of ``group`` is in its slot; the last part hands the group to the applier."""
@@ -117,7 +178,8 @@ class Puller(threading.Thread):
                     fut = ask.submit(self.wait_ready, after=ready.group)
                 got = self.read(ready)
                 rnd.timed(t1 - t0, time.perf_counter() - t1)
-                releases.append(rel.submit(self.release, ready.group))
+                if p not in rnd.direct:  # read into a slot: the producer may reuse its ring slot now
+                    releases.append(rel.submit(self.release, ready.group))
                 rnd.landed(p, ready.group, got)
                 for r in [r for r in releases if r.done()]:
                     r.result()  # a failed release surfaces now
@@ -134,7 +196,8 @@ class Puller(threading.Thread):
         """Ask producer ``p`` for ``group``, read it, release it (the serial reference, one step at a time)."""
         ready = self.wait_ready(group=group)
         got = self.read(ready)
-        self.release(ready.group)
+        if self.p not in self.rnd.direct:
+            self.release(ready.group)
         self.rnd.landed(self.p, ready.group, got)
 
     def wait_ready(self, *, group: str = "", after: str = "") -> m.Ready:
@@ -181,9 +244,13 @@ class Puller(threading.Thread):
             raise SyncError(f"consumer {c.id}: version {version} failed: {view['failed'][version]}")
 
     def read(self, ready: m.Ready) -> int:
-        """Read producer ``p``'s chunks of ``ready.group`` into the group's receive slot; returns the bytes."""
+        """Read producer ``p``'s chunks of ``ready.group`` into the group's receive slot (or, read directly, note
+        where they lie in its mapped buffer); returns the bytes."""
         c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
         group, lay = ready.group, c.layouts[ready.group]
+        if p in rnd.direct:
+            return self.read_directly(ready)
+        assert rnd.slots is not None
         buf = c.slots[rnd.slots.acquire(group, timeout_s=c.timeout_s, abort=rnd.failing,
                                         what=f"group {group!r} of version {version}")]
         got = 0
@@ -203,13 +270,29 @@ class Puller(threading.Thread):
             got += n
         return got
 
+    def read_directly(self, ready: m.Ready) -> int:
+        """Direct read: check each chunk's range in producer ``p``'s mapped buffer (and its checksum); the apply
+        copies from there."""
+        c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
+        group, lay, remote = ready.group, c.layouts[ready.group], rnd.direct[self.p]
+        parts, got = [], 0
+        for ci, off, n, checksum in ready.chunks:
+            if rnd.failing.is_set():
+                raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
+            self.check_peers()
+            chunk = lay.chunks[ci]
+            if n != chunk.nbytes or off < 0 or off + n > remote.numel():
+                raise SyncError(f"consumer {c.id}: producer {p} announced chunk {ci} of {group!r} at [{off}, "
+                                f"{off + n}) of its {remote.numel()}-byte buffer; expected {chunk.nbytes} bytes inside")
+            data = remote[off: off + n]
+            self.verify(data, checksum, group, ci)
+            parts.append((chunk, data))
+            got += n
+        rnd.read_directly(p, group, parts)
+        return got
+
     def release(self, group: str) -> None:
-        c, p, version = self.c, self.p, self.rnd.version
-        try:  # its own connection: a release never queues behind a WaitReady the producer is holding
-            c.rclients[p].call(m.Released(consumer=c.id, session=self.rnd.session, version=version, group=group),
-                               timeout_s=c.lease_s + 1)
-        except TransportError as e:
-            raise producer_lost(c.id, p, version, group, e) from None
+        release(self.c, self.rnd, self.p, group)
 
     def verify(self, data: Any, checksum: int, group: str, chunk: int) -> None:
         c, p = self.c, self.p
@@ -222,6 +305,15 @@ class Puller(threading.Thread):
         if found != checksum:
             raise ChecksumError(f"consumer {c.id}: chunk {chunk} of group {group!r} from producer {p} (version "
                                 f"{self.rnd.version}) has checksum {found:#x}, the producer computed {checksum:#x}")
+
+
+def release(c: Consumer, rnd: PullRound, p: int, group: str) -> None:
+    """``Released``: producer ``p`` may reuse the ring slot that held ``group``."""
+    try:  # its own connection: a release never queues behind a WaitReady the producer is holding
+        c.rclients[p].call(m.Released(consumer=c.id, session=rnd.session, version=rnd.version, group=group),
+                           timeout_s=c.lease_s + 1)
+    except TransportError as e:
+        raise producer_lost(c.id, p, rnd.version, group, e) from None
 
 
 class SerialPuller(threading.Thread):

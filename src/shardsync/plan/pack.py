@@ -9,10 +9,16 @@ same offsets and copies them into its parameters. Copies are batched with ``torc
     buf = torch.empty(layout.nbytes, dtype=torch.uint8)
     GroupPacker(plan.group("model.layers.0"), layout).pack(full_tensors, buf)
     GroupUnpacker(plan.group("model.layers.0"), layout).unpack(buf, params)
+
+A consumer that reads a group's chunks where they lie (a producer's ring mapped into its process: direct reads)
+hands ``unpack`` a :class:`ChunkParts` instead of one group buffer: each chunk's bytes, wherever they are::
+
+    GroupUnpacker(g, layout).unpack(ChunkParts([(0, ring[off0: off0 + n0]), (1, ring[off1: off1 + n1])]), params)
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Callable, Hashable, Mapping
 
@@ -23,7 +29,8 @@ from ..errors import PlanError, SyncError
 from ..types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
 
-__all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker", "GroupUnpacker"]
+__all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker",
+           "GroupUnpacker", "ChunkParts"]
 
 ALIGN = 64
 """Every slice starts at a multiple of this many bytes (vectorised copies, GPU-friendly)."""
@@ -160,18 +167,26 @@ def _packed_view(buf: torch.Tensor, off: int, s: Scatter) -> torch.Tensor:
 class _Stable:
     """Views of tensors that stay the same objects from one call to the next, built once and replayed (rule 4:
     nothing in the hot path re-derives what the plan knows). Tensors that are new every call (an FSDP
-    all-gather's output) are only ever weakly referenced, so no gathered tensor outlives its call."""
+    all-gather's output) are only ever weakly referenced, so no gathered tensor outlives its call.
+
+    "The same" is checked each call at C speed (a few maps over the list, ~1 µs a tensor): the same live objects
+    at the same addresses with the same strides and element counts (a ``.data`` swap or a re-allocation is
+    noticed; only an in-place ``as_strided_``/``set_`` to another shape with the same address, strides and size
+    would not be)."""
 
     __slots__ = ("sig", "refs", "views")
 
     def __init__(self) -> None:
-        self.sig: list | None = None
+        self.sig: tuple | None = None
         self.refs: list = []
         self.views: object = None
 
     def get(self, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
-        sig = [(id(t), t.data_ptr(), t.shape, t.stride()) for t in tensors]
-        same = sig == self.sig and all(r() is t for r, t in zip(self.refs, tensors))
+        T = torch.Tensor
+        sig = (list(map(id, tensors)), list(map(T.data_ptr, tensors)), list(map(T.stride, tensors)),
+               list(map(T.numel, tensors)))
+        same = sig == self.sig and len(self.refs) == len(tensors) and \
+            all(map(operator.is_, map(weakref.ref.__call__, self.refs), tensors))
         if same and self.views is not None:
             return self.views
         views = build()
@@ -182,18 +197,32 @@ class _Stable:
 
 class _Views:
     """One ``_Stable`` per (chunk, buffer address and size, base): a ring or a receive pool is a few fixed buffers,
-    so views of the buffer are keyed by its address (a slice of it is a new tensor object every call)."""
+    so views of the buffer are keyed by its address (a slice of it is a new tensor object every call). At most
+    ``cap`` keys are kept (every chunk in each of a ring's slots, with room to spare)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int = 64) -> None:
         self.by_key: dict[tuple, _Stable] = {}
+        self.cap = cap
 
     def get(self, key: tuple, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
         st = self.by_key.get(key)
         if st is None:
-            if len(self.by_key) >= 64:
+            if len(self.by_key) >= self.cap:
                 self.by_key.clear()
             st = self.by_key[key] = _Stable()
         return st.get(tensors, build)
+
+
+class ChunkParts:
+    """A group's chunks wherever they landed: ``[(chunk, its bytes as a contiguous uint8 tensor), ...]`` (a direct
+    read leaves them in the producer's mapped ring). The chunks are the reader's (its ``GroupLayout``'s, cut where
+    the holding producer changes); byte offsets are the same in every layout of the group, so any unpacker of the
+    group can scatter them."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[tuple[Chunk, torch.Tensor]]):
+        self.parts = sorted(parts, key=lambda x: x[0].first)
 
 
 class GroupPacker:
@@ -235,28 +264,50 @@ class GroupUnpacker:
 
     def __init__(self, g: GroupPlan, layout: GroupLayout):
         self.g, self.layout = g, layout
-        self._views = _Views()
-        self._dsts = {c.index: list(dict.fromkeys(s.dst for s in g.scatters[c.first:c.stop]))
-                      + [f.dst for f in g.fills if c.first <= f.pos <= c.stop] for c in layout.chunks}
+        self._views = _Views(cap=max(64, 8 * len(layout.chunks)))
+        self._dsts: dict[tuple[int, int], list[str]] = {}
+        """(first, stop) of a chunk -> the parameters its copies and fills write."""
 
-    def unpack(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
+    def unpack(self, buf: torch.Tensor | ChunkParts, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
                *, base: int = 0) -> None:
         """Copy the slices of ``chunk`` (all chunks if None) into ``params``; the loaders' constant fills
-        run at their recorded positions (fills after the last scatter run with the last chunk)."""
+        run at their recorded positions (fills after the last scatter run with the last chunk). ``buf``: the
+        group buffer, or :class:`ChunkParts` (every chunk of the group, each where it lies)."""
+        if isinstance(buf, ChunkParts):
+            spans = [(c.first, c.stop) for c, _ in buf.parts]
+            n = len(self.g.scatters)
+            if not buf.parts and not n:
+                return self.unpack(torch.empty(0, dtype=torch.uint8), params)
+            if [a for a, _ in spans] != [0, *(b for _, b in spans[:-1])] or not spans or spans[-1][1] != n:
+                raise SyncError(f"group {self.g.name!r}: the parts to unpack cover scatters {spans}, not [0, {n})")
+            for c, data in buf.parts:
+                if data.numel() < c.nbytes or self.layout.offsets[c.first] != c.start:
+                    raise SyncError(f"group {self.g.name!r}: a part of {data.numel()} bytes at group byte {c.start} "
+                                    f"for scatters [{c.first}, {c.stop}) does not match the layout")
+                self.unpack(data, params, c, base=c.start)
+            return None
         chunks = self.layout.chunks if chunk is None else (chunk,)
         n = len(self.g.scatters)
         with torch.no_grad():
             if not chunks and self.g.fills:  # a group made of fills only
                 self._fill(params, 0, n + 1)
             for c in chunks:
-                tensors = [_param(params, d, self.g.name) for d in self._dsts[c.index]]
-                steps = self._views.get((c.index, buf.data_ptr(), buf.numel(), base), tensors,
+                tensors = [_param(params, d, self.g.name) for d in self._dests(c)]
+                steps = self._views.get((c.first, c.stop, buf.data_ptr(), buf.numel(), base), tensors,
                                         lambda c=c: self._program(buf, params, c, base))
                 for dsts, srcs, fills in steps:  # type: ignore[attr-defined]
                     for v, value in fills:
                         v.fill_(value)
                     if dsts:
                         torch._foreach_copy_(dsts, srcs)
+
+    def _dests(self, c: Chunk) -> list[str]:
+        key = (c.first, c.stop)
+        d = self._dsts.get(key)
+        if d is None:
+            d = self._dsts[key] = list(dict.fromkeys(s.dst for s in self.g.scatters[c.first:c.stop])) \
+                + [f.dst for f in self.g.fills if c.first <= f.pos <= c.stop]
+        return d
 
     def _program(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], c: Chunk, base: int) -> list:
         """[(dsts, srcs, fills before them)], the fills at their recorded positions."""

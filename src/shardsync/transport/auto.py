@@ -77,6 +77,11 @@ class AutoTransport:
         raise TransportError(f"auto: no transport reaches producer {producer} (offered {sorted(offered)}, "
                              f"{'same' if same else 'another'} node; tried: {'; '.join(tried) or 'none usable'})")
 
+    def view(self, producer: int) -> torch.Tensor | None:
+        """The chosen transport's view of producer ``producer``'s buffer, if it offers one (``cuda_ipc``)."""
+        view = getattr(self._use.get(producer), "view", None)
+        return view(producer) if view is not None else None
+
     def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
         t = self._use.get(producer)
         if t is None:

@@ -12,6 +12,8 @@ method                 side        what
 ``connect(p, desc)``   consumer    connect to producer ``p``'s registered buffer (once, at init)
 ``read(p, off, n, into, timeout_s)``  consumer  copy bytes ``[off, off+n)`` of ``p``'s buffer into ``into``
 ``close()``            both        release everything; pending reads fail with TransportError
+``view(p)`` (optional) consumer    ``p``'s buffer as a tensor of this process (``cuda_ipc``, ``loopback``):
+                                   the consumer may copy straight from it into its parameters (direct reads)
 =====================  ==========  =====================================================================
 
 Every wait has a timeout; a dead peer surfaces as :class:`~shardsync.errors.TransportError` naming the

@@ -66,6 +66,10 @@ class CudaIpcTransport:
         t.set_(storage, desc["tensor_offset"], (desc["nbytes"],))
         self._peers[producer] = t
 
+    def view(self, producer: int) -> torch.Tensor | None:
+        """Producer ``producer``'s mapped buffer (for direct reads: the consumer copies straight out of it)."""
+        return self._peers.get(producer)
+
     def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
         remote = self._peers.get(producer)
         if remote is None:

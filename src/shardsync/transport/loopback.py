@@ -38,6 +38,11 @@ class LoopbackTransport:
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
         self._peers[producer] = int(desc["key"])
 
+    def view(self, producer: int) -> torch.Tensor | None:
+        """Producer ``producer``'s registered buffer itself (direct reads)."""
+        key = self._peers.get(producer)
+        return _REGISTRY.get(key) if key is not None else None
+
     def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
         key = self._peers.get(producer)
         buf = _REGISTRY.get(key) if key is not None else None
