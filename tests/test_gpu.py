@@ -59,3 +59,41 @@ def test_gpu_benchmark_small_is_bit_exact(tmp_path) -> None:
     assert (not TWO_GPUS or s["A"]["exact"]) and all(r["exact"] for t, r in s["B"].items() if t not in ("raw",) and isinstance(r, dict)
                                    and "exact" in r)
     assert all(r["exact"] for t, r in s["C"].items() if isinstance(r, dict) and "exact" in r)
+
+
+def test_copy_programs_replayed_from_cuda_graphs_follow_in_place_updates() -> None:
+    """On a side stream, a chunk's pack and unpack are captured into CUDA graphs at their second cached call and
+    replayed after: every call stays exact while the trainer's tensors change in place; a rebuilt view set (new
+    destination tensors) drops its graph."""
+    from shardsync.plan.pack import GroupPacker, GroupUnpacker, layout_group
+    from shardsync.plan.record import record_plan
+    from shardsync.source import ModuleSource
+    from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+
+    cfg = ZooConfig.qwen3_moe_tiny()
+    full = {n: t.cuda().contiguous() for n, t in hf_state_dict(cfg, seed=1).items()}
+    with torch.device("meta"):
+        dry = ZooModel(cfg, tp_size=2, tp_rank=1)
+    plan = record_plan(metadata=ModuleSource(full).metadata(), load_weights=dry.load_weights,
+                       params=dict(dry.named_parameters()), consumer="c")
+    with torch.device("cuda"):
+        live, ref = ZooModel(cfg, tp_size=2, tp_rank=1), ZooModel(cfg, tp_size=2, tp_rank=1)
+    params = {n: p.detach() for n, p in live.named_parameters()}
+    g = plan.group("model.layers.0")
+    lay = layout_group(g)
+    pk, up = GroupPacker(g, lay), GroupUnpacker(g, lay)
+    ring = torch.zeros(lay.nbytes, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    for step in range(6):
+        for t in full.values():
+            t.mul_(1.5).add_(1)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pk.pack(full, ring)
+            up.unpack(ring, params)
+        torch.cuda.current_stream().wait_stream(side)
+        ref.load_weights([(n, t) for n, t in full.items() if n.startswith("model.layers.0.")])
+        mine = {n: p for n, p in params.items() if n.startswith("model.layers.0.")}
+        assert all(torch.equal(p, dict(ref.named_parameters())[n]) for n, p in mine.items()), step
+    graphs = [st.replay.graph for v in (pk._views, up._views) for st in v.by_key.values()]
+    assert graphs and all(x is not None for x in graphs)

@@ -160,3 +160,33 @@ def test_packer_and_unpacker_reuse_views_only_while_tensors_stay_the_same() -> N
     for p in params.values():  # the same objects, new storage (a `.data` swap): written there, not the old storage
         p.data = torch.zeros_like(p)
     assert all(roundtrip(full).values())
+
+
+def test_a_chain_with_a_copy_is_replayed_every_call_not_cached() -> None:
+    """``index_select`` (an expert-parallel loader picking its experts with an index tensor) makes a copy, not a
+    view: a cached copy would pack the first sync's values forever. Four in-place updates, four exact unpacks."""
+    import torch
+
+    from shardsync.plan.pack import GroupPacker, GroupUnpacker
+    from shardsync.types import ParamMeta
+
+    w = torch.randn(8, 6)
+    live = {"p": torch.zeros(3, 6)}
+    idx = torch.tensor([0, 3, 5])
+
+    def load(weights) -> None:
+        for _, t in weights:
+            live["p"].copy_(t.index_select(0, idx))
+
+    plan = record_plan(metadata=[ParamMeta(name="x", dtype="float32", shape=(8, 6))], load_weights=load,
+                       params=live, consumer="c")
+    g = plan.groups[0]
+    assert g.scatters[0].view is None  # replayed op by op
+    lay = layout_group(g)
+    buf = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    pk, up = GroupPacker(g, lay), GroupUnpacker(g, lay)
+    for _ in range(4):
+        w.add_(1.0)
+        pk.pack({"x": w}, buf)
+        up.unpack(buf, live)
+        assert torch.equal(live["p"], w.index_select(0, idx))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from itertools import repeat
 from typing import Callable, Hashable, Mapping
 
 import msgspec
@@ -28,6 +29,7 @@ import torch
 from ..errors import PlanError, SyncError
 from ..types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
+from .graphs import Replay
 
 __all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker",
            "GroupUnpacker", "ChunkParts"]
@@ -174,25 +176,42 @@ class _Stable:
     noticed; only an in-place ``as_strided_``/``set_`` to another shape with the same address, strides and size
     would not be)."""
 
-    __slots__ = ("sig", "refs", "views")
+    __slots__ = ("sig", "refs", "views", "replay")
 
     def __init__(self) -> None:
         self.sig: tuple | None = None
         self.refs: list = []
         self.views: object = None
+        self.replay = Replay()
+        """The cached views' program as a CUDA graph (``plan/graphs.py``); reset with the views."""
 
-    def get(self, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
+    def get(self, tensors: list[torch.Tensor], build: Callable[[], object]) -> tuple[object, Replay | None]:
+        """(views, their ``Replay`` when they are the cached ones, else None)."""
         T = torch.Tensor
         sig = (list(map(id, tensors)), list(map(T.data_ptr, tensors)), list(map(T.stride, tensors)),
                list(map(T.numel, tensors)))
         same = sig == self.sig and len(self.refs) == len(tensors) and \
             all(map(operator.is_, map(weakref.ref.__call__, self.refs), tensors))
         if same and self.views is not None:
-            return self.views
+            return self.views, self.replay
         views = build()
+        if isinstance(views, Uncacheable):
+            self.sig = None
+            return views.views, None
         self.views = views if same else None  # cached from the second call on the same tensors
+        self.replay = Replay()
         self.sig, self.refs = sig, [weakref.ref(t) for t in tensors]
-        return views
+        return views, None
+
+
+class Uncacheable:
+    """What a build returns when its views must be built again every call: some source was not a view of its
+    tensor (an op chain with a copy, e.g. ``index_select``, replayed op by op: a cached copy would go stale)."""
+
+    __slots__ = ("views",)
+
+    def __init__(self, views: object):
+        self.views = views
 
 
 class _Views:
@@ -204,7 +223,7 @@ class _Views:
         self.by_key: dict[tuple, _Stable] = {}
         self.cap = cap
 
-    def get(self, key: tuple, tensors: list[torch.Tensor], build: Callable[[], object]) -> object:
+    def get(self, key: tuple, tensors: list[torch.Tensor], build: Callable[[], object]) -> tuple[object, Replay | None]:
         st = self.by_key.get(key)
         if st is None:
             if len(self.by_key) >= self.cap:
@@ -240,21 +259,29 @@ class GroupPacker:
         ``base`` (so a chunk-sized buffer takes ``base=chunk.start``)."""
         chunks = self.layout.chunks if chunk is None else (chunk,)
         for c in chunks:
-            tensors = []
-            for n in self._srcs[c.index]:
-                t = full.get(n)
-                if t is None:
-                    raise SyncError(f"group {self.g.name!r}: full tensor {n!r} missing on the producer")
-                tensors.append(t)
-            dsts, srcs = self._views.get((c.index, buf.data_ptr(), buf.numel(), base), tensors,
-                                         lambda c=c: self._build(full, buf, c, base))  # type: ignore[misc]
-            if dsts:
+            names = self._srcs[c.index]
+            tensors = list(map(full.get, names))
+            if any(map(operator.is_, tensors, repeat(None))):
+                n = names[[t is None for t in tensors].index(True)]
+                raise SyncError(f"group {self.g.name!r}: full tensor {n!r} missing on the producer")
+            views, rp = self._views.get((c.index, buf.data_ptr(), buf.numel(), base), tensors,
+                                        lambda c=c: self._build(full, buf, c, base))  # type: ignore[misc]
+            dsts, srcs = views  # type: ignore[misc]
+            if not dsts:
+                continue
+            if rp is None:
                 torch._foreach_copy_(dsts, srcs)
+            else:
+                rp.run(lambda d=dsts, s=srcs: torch._foreach_copy_(d, s), device=buf.device)
 
-    def _build(self, full: Mapping[str, torch.Tensor], buf: torch.Tensor, c: Chunk, base: int) -> tuple[list, list]:
+    def _build(self, full: Mapping[str, torch.Tensor], buf: torch.Tensor, c: Chunk, base: int) -> object:
         idx = range(c.first, c.stop)
-        return ([_packed_view(buf, self.layout.offsets[i] - base, self.g.scatters[i]) for i in idx],
-                [replay(self.g.scatters[i], full[self.g.scatters[i].src]) for i in idx])
+        sc = self.g.scatters
+        views = ([_packed_view(buf, self.layout.offsets[i] - base, sc[i]) for i in idx],
+                 [replay(sc[i], full[sc[i].src]) for i in idx])
+        fresh = any(sc[i].view is None and src.untyped_storage().data_ptr() !=
+                    full[sc[i].src].untyped_storage().data_ptr() for i, src in zip(idx, views[1]))
+        return Uncacheable(views) if fresh else views
 
 
 class GroupUnpacker:
@@ -292,14 +319,16 @@ class GroupUnpacker:
             if not chunks and self.g.fills:  # a group made of fills only
                 self._fill(params, 0, n + 1)
             for c in chunks:
-                tensors = [_param(params, d, self.g.name) for d in self._dests(c)]
-                steps = self._views.get((c.first, c.stop, buf.data_ptr(), buf.numel(), base), tensors,
-                                        lambda c=c: self._program(buf, params, c, base))
-                for dsts, srcs, fills in steps:  # type: ignore[attr-defined]
-                    for v, value in fills:
-                        v.fill_(value)
-                    if dsts:
-                        torch._foreach_copy_(dsts, srcs)
+                names = self._dests(c)
+                tensors = list(map(params.get, names))
+                if any(map(operator.is_, tensors, repeat(None))):
+                    _param(params, names[[t is None for t in tensors].index(True)], self.g.name)
+                steps, rp = self._views.get((c.first, c.stop, buf.data_ptr(), buf.numel(), base), tensors,
+                                            lambda c=c: self._program(buf, params, c, base))
+                if rp is None:
+                    _run_steps(steps)
+                else:
+                    rp.run(lambda s=steps: _run_steps(s), device=buf.device)
 
     def _dests(self, c: Chunk) -> list[str]:
         key = (c.first, c.stop)
@@ -334,6 +363,14 @@ class GroupUnpacker:
         for f in self.g.fills:
             if lo <= f.pos < hi:
                 dst_view(_param(params, f.dst, self.g.name), f).fill_(f.value)
+
+
+def _run_steps(steps) -> None:
+    for dsts, srcs, fills in steps:
+        for v, value in fills:
+            v.fill_(value)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
 
 
 def _param(params: Mapping[str, torch.Tensor], name: str, group: str) -> torch.Tensor:
