@@ -30,9 +30,9 @@ import msgspec
 
 from ..errors import AuthError, FrameMacError, ShardsyncError, TransportError
 from ..transport.admission import MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
+from ..transport.framemac import FrameMac
 from ..transport.tcp import advertised
 from .messages import Fail, Msg, clip, decode, encode
-from ..transport.framemac import FrameMac
 from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, parse_address, recv_frame,
                    send_frame)
 

@@ -212,7 +212,9 @@ class ProducerSync:
             for u in units:
                 c = u.chunk
                 region = pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-                r = ready.setdefault(u.digest, m.Ready(version=self.version, group=g, chunks=[]))
+                if u.digest not in ready:
+                    ready[u.digest] = m.Ready(version=self.version, group=g, chunks=[])
+                r = ready[u.digest]
                 r.chunks.append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
                                  if pr.checksums else -1])
                 if pr.chunk_key is not None:
