@@ -32,8 +32,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (AuthError, ChecksumError, ConsumerDropped, CoverageError, MetadataMismatch, NotMember, PlanError,
-                     ProducerLost, ShardsyncError, SyncError, TransportError, UnsupportedLoaderOp)
+from .errors import (AuthError, ChecksumError, ChunkMacError, ConsumerDropped, CoverageError, FrameMacError,
+                     MetadataMismatch, NotMember, PlanError, ProducerLost, ShardsyncError, SyncError, TransportError,
+                     UnsupportedLoaderOp)
 from .source import ModuleSource, WeightSource
 from .types import GroupPlan, ParamMeta, Plan
 
@@ -54,7 +55,8 @@ __all__ = [
     "ParamMeta", "Plan", "GroupPlan",
     # errors
     "ShardsyncError", "UnsupportedLoaderOp", "PlanError", "CoverageError", "MetadataMismatch", "TransportError",
-    "AuthError", "ChecksumError", "SyncError", "ConsumerDropped", "ProducerLost", "NotMember",
+    "AuthError", "FrameMacError", "ChecksumError", "ChunkMacError", "SyncError", "ConsumerDropped", "ProducerLost",
+    "NotMember",
 ]
 
 

@@ -68,3 +68,14 @@ class NotMember(SyncError):
 
 class ChecksumError(TransportError):
     """A pulled chunk's checksum differs from the one its producer computed (silent corruption caught)."""
+
+
+class ChunkMacError(ChecksumError):
+    """A pulled chunk's keyed tag (``ProducerConfig.mac``) is wrong or missing: its bytes are not the ones its producer
+    packed for that producer, version, group and chunk (tampered, or replayed from elsewhere). Names all five; never
+    the token or the key."""
+
+
+class FrameMacError(AuthError):
+    """A control frame's MAC is wrong (a frame tampered with, replayed, reordered or injected on the wire): the
+    connection is closed."""

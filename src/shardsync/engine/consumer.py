@@ -34,6 +34,7 @@ import torch
 
 from . import messages as m
 from .applier import Applier
+from .chunkmac import chunk_key
 from .control import ControlClient
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
@@ -57,7 +58,7 @@ class Consumer:
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
                  device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = "",
-                 direct_reads: bool | None = None):
+                 direct_reads: bool | None = None, require_mac: bool = False):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
@@ -71,6 +72,12 @@ class Consumer:
         """False: one puller, group by group in transfer order, each group's producers one after the other (PP
         stages served serially; kept as the reference the benchmark compares against)."""
         self.verify_checksums, self.max_frame_bytes = verify_checksums, max_frame_bytes
+        self.require_mac = require_mac
+        """Refuse producers that do not run with ``ProducerConfig.mac`` (AuthError at their handshake) and chunks
+        without a keyed tag (ChunkMacError). Without it, tags are still checked wherever they come, and demanded
+        once the coordinator's connection turns out MACed (its group runs with mac)."""
+        self.chunk_key = chunk_key(token)
+        """The group's chunk key (derived from the token; never sent or printed)."""
         self.node = node
         """Where this consumer runs ("" = unknown): producers on the same node serve it first where they can."""
         self.switch_interval_s = switch_interval_s
@@ -107,11 +114,13 @@ class Consumer:
     def init(self) -> Plan:
         t0 = time.perf_counter()
         peer = "coordinator (producer 0)"
-        self.coord = ControlClient(self.coordinator, self.token, peer=peer, max_frame_bytes=self.max_frame_bytes)
+        self.coord = ControlClient(self.coordinator, self.token, peer=peer, max_frame_bytes=self.max_frame_bytes,
+                                   require_mac=self.require_mac)
         w = self._hello(peer)
         self.session, self.lease_s = w.session, w.lease_s
         self.heartbeat = Heartbeat(self.coordinator, self.token, m.Renew(consumer=self.id, session=self.session),
-                                   lease_s=w.lease_s, who=f"consumer {self.id}", on_dropped=self._rejoin)
+                                   lease_s=w.lease_s, who=f"consumer {self.id}", on_dropped=self._rejoin,
+                                   require_mac=self.require_mac)
         try:
             self.metas = [ParamMeta.from_dict(d) for d in w.metadata]
             self.plan = self.record(self.metas)
@@ -284,10 +293,11 @@ class Consumer:
                 if old is not None:
                     old.close()
             try:
+                mac = self.require_mac or self.coord.macs  # a group with mac MACs every rank's frames
                 self.clients[p] = ControlClient(info["address"], self.token, peer=f"producer {p}",
-                                                connect_timeout_s=self.lease_s)
+                                                connect_timeout_s=self.lease_s, require_mac=mac)
                 self.rclients[p] = ControlClient(info["address"], self.token, peer=f"producer {p}",
-                                                 connect_timeout_s=self.lease_s)
+                                                 connect_timeout_s=self.lease_s, require_mac=mac)
                 self.transport.connect(p, desc)
             except TransportError as e:
                 raise producer_lost(self.id, p, -1, "", e) from None

@@ -3,9 +3,12 @@
 The messages (msgspec structs, msgpack-encoded, never pickle) are ``messages.py``; this module moves them.
 
 A connection authenticates once with the shared token before any frame is read (``wire.py``);
-frames are size-limited before allocation; consumers additionally carry the per-consumer session
-credential the coordinator issued at ``Hello`` on every message that acts for them (release,
-abandon, goodbye, renew). Servers bind to the interface they are given, time out idle and
+frames are size-limited before allocation; a server started with ``mac=True`` (a group run with
+``ProducerConfig.mac``) has every frame of every connection tagged both ways, and a client follows it (one with
+``require_mac`` refuses a server that does not); a frame with a wrong tag closes its connection (counted in
+``refused["mac"]`` and logged by the server; :class:`FrameMacError` at the client); consumers additionally carry
+the per-consumer session credential the coordinator issued at ``Hello`` on every message that acts for them
+(release, abandon, goodbye, renew). Servers bind to the interface they are given, time out idle and
 half-open connections, and log (never swallow silently) anything that ends a serving thread.
 A request that gets no answer within its timeout raises TransportError naming the peer and the
 request; a client whose connection broke reconnects on its next call::
@@ -25,8 +28,9 @@ from typing import Any, Callable
 
 import msgspec
 
-from ..errors import AuthError, ShardsyncError, TransportError
+from ..errors import AuthError, FrameMacError, ShardsyncError, TransportError
 from ..transport.admission import MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
+from ..transport.framemac import FrameMac
 from ..transport.tcp import advertised
 from .messages import Fail, Msg, clip, decode, encode
 from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake_server, parse_address, recv_frame,
@@ -47,8 +51,8 @@ class ControlServer:
     def __init__(self, host: str, port: int, token: str, handler: Callable[[Msg], Msg], *,
                  advertise_host: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
                  idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0, name: str = "control",
-                 max_pending: int = MAX_PENDING, max_per_source: int = MAX_PER_SOURCE):
-        self.token, self.handler, self.name = token, handler, name
+                 max_pending: int = MAX_PENDING, max_per_source: int = MAX_PER_SOURCE, mac: bool = False):
+        self.token, self.handler, self.name, self.mac = token, handler, name, mac
         self.max_frame_bytes, self.idle_timeout_s, self.auth_timeout_s = max_frame_bytes, idle_timeout_s, auth_timeout_s
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
@@ -57,7 +61,7 @@ class ControlServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._inflight: dict[str, int] = defaultdict(int)
-        self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0}
+        self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0, "mac": 0}
         self.handler_errors = 0
         self.admission = Admission(name, deadline_s=auth_timeout_s, max_pending=max_pending,
                                    max_per_source=max_per_source)
@@ -83,13 +87,19 @@ class ControlServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            if not handshake_server(conn, self.token, deadline_s=self.auth_timeout_s, on_refused=self._refuse):
+            auth = handshake_server(conn, self.token, deadline_s=self.auth_timeout_s, on_refused=self._refuse,
+                                    mac=self.mac)
+            if auth is None:
                 return
             self.admission.passed(conn)
             conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
                 try:
-                    msg = decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes))
+                    msg = decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes, mac=auth.frames))
+                except FrameMacError:  # counted and logged (rate-limited) like a refused handshake
+                    self.refused["mac"] += 1
+                    self.admission.refuse("mac", f"a frame from {_peer(conn)} (its MAC is wrong: connection closed)")
+                    return
                 except FrameTooLarge as e:
                     self.refused["frame"] += 1
                     log.warning("%s: %s; connection closed", self.name, e)
@@ -103,7 +113,7 @@ class ControlServer:
                     self._inflight[kind] += 1
                 try:
                     reply = self._handle(msg)
-                    send_frame(conn, encode(reply))
+                    send_frame(conn, encode(reply), auth.frames)
                 finally:
                     with self._lock:
                         self._inflight[kind] -= 1
@@ -141,16 +151,28 @@ class ControlServer:
         self._thread.join(timeout=2)
 
 
+def _peer(conn: socket.socket) -> str:
+    try:
+        return "%s:%s" % conn.getpeername()[:2]
+    except OSError:
+        return "a peer"
+
+
 class ControlClient:
     """One connection to one server; ``call`` is serialised per client. A broken connection is never
     reused (a late reply could be read as another call's answer): the next call reconnects."""
 
     def __init__(self, address: list[Any], token: str, *, peer: str, connect_timeout_s: float = 30.0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME, require_mac: bool = False):
         self.address, self.token, self.peer = parse_address(address), token, peer
         self.connect_timeout_s, self.max_frame_bytes = connect_timeout_s, max_frame_bytes
+        self.require_mac = require_mac
+        """Refuse (AuthError) a server that does not MAC its frames."""
+        self.macs = False
+        """The server MACs its frames (its group runs with ``ProducerConfig.mac``): learnt at each handshake."""
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        self._frames: FrameMac | None = None
         with self._lock:
             self._connect()
 
@@ -163,14 +185,14 @@ class ControlClient:
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            handshake_client(s, self.token, self.peer)
+            frames = handshake_client(s, self.token, self.peer, require_mac=self.require_mac)
         except AuthError:
             s.close()
             raise
         except (OSError, ConnectionError) as e:
             s.close()
             raise TransportError(f"{self.peer} closed the connection during the handshake: {e}") from None
-        self._sock = s
+        self._sock, self._frames, self.macs = s, frames, frames is not None
         return s
 
     def _break(self) -> None:
@@ -186,8 +208,11 @@ class ControlClient:
             sock = self._sock or self._connect(timeout_s)  # a reconnect is bounded by the call's own timeout
             try:
                 sock.settimeout(timeout_s)
-                send_frame(sock, encode(msg))
-                reply = decode(recv_frame(sock, max_frame_bytes=self.max_frame_bytes))
+                send_frame(sock, encode(msg), self._frames)
+                reply = decode(recv_frame(sock, max_frame_bytes=self.max_frame_bytes, mac=self._frames))
+            except FrameMacError as e:  # tampered with on the wire: this connection is never read again
+                self._break()
+                raise FrameMacError(f"{self.peer} ({type(msg).__name__}): {e}; connection closed") from None
             except socket.timeout:
                 self._break()
                 raise TransportError(f"{self.peer} did not answer {type(msg).__name__} within {timeout_s} s") from None

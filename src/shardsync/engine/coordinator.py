@@ -46,8 +46,10 @@ class Coordinator:
     def __init__(self, *, metadata: Sequence[ParamMeta], n_producers: int, n_consumers: int,
                  max_chunk_bytes: int, timeout_s: float, init_timeout_s: float, lease_s: float,
                  min_consumers: int | None = None, join_grace_s: float = 30.0,
-                 max_routed_bytes: int | None = None):
+                 max_routed_bytes: int | None = None, mac: bool = False):
         self.metadata = list(metadata)
+        self.mac = mac
+        """Rank 0 runs with ``ProducerConfig.mac``: every rank must (a rank that differs fails init, naming it)."""
         model_bytes = max(sum(x.nbytes for x in self.metadata), 1)
         self.max_routed_bytes = MAX_ROUTED_COPIES * model_bytes if max_routed_bytes is None else max_routed_bytes
         """What all routed plans together may carry per sync (each route key's plan counted once): the bound on
@@ -135,6 +137,10 @@ class Coordinator:
                 "all trainer ranks must list the same tensors in order"))
         if not 0 <= msg.rank < self.n_producers:
             raise MetadataMismatch(f"producer rank {msg.rank} is outside 0..{self.n_producers - 1}")
+        if msg.mac != self.mac:
+            raise self.fail(SyncError(
+                f"producer {msg.rank} runs with mac={msg.mac}, producer 0 with mac={self.mac}: every trainer rank "
+                "of a group must be given the same ProducerConfig.mac"))
         with self.cv:
             inc = self.ms.join(msg.rank, msg.address, msg.held, msg.node)
             self.cv.notify_all()

@@ -28,10 +28,12 @@ log = logging.getLogger("shardsync.heartbeat")
 
 class Heartbeat:
     def __init__(self, coordinator: list[Any], token: str, renew: m.Renew, *, lease_s: float, who: str,
-                 on_change: Callable[[], None] | None = None, on_dropped: Callable[[str], None] | None = None):
+                 on_change: Callable[[], None] | None = None, on_dropped: Callable[[str], None] | None = None,
+                 require_mac: bool = False):
         self.renew, self.lease_s, self.who = renew, lease_s, who
         self.on_change, self.on_dropped = on_change, on_dropped
-        self._client = ControlClient(coordinator, token, peer="coordinator (producer 0)", connect_timeout_s=lease_s)
+        self._client = ControlClient(coordinator, token, peer="coordinator (producer 0)", connect_timeout_s=lease_s,
+                                     require_mac=require_mac)
         self._view: dict[str, Any] = {"dead": [], "dead_producers": {}, "left": [], "failed": {}}
         self._last_ok = time.monotonic()
         self._error = ""

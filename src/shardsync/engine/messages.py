@@ -46,6 +46,8 @@ MAX_REASON = 2048
 """Free text (a reason, an error) is clipped to this many characters when it is decoded (and when it is sent)."""
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID)]
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Tag = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
+"""A chunk's keyed tag (``chunkmac.py``): exactly 16 bytes, checked at decode."""
 _TEXT = ("reason", "error", "failed")
 
 
@@ -80,6 +82,8 @@ class Join(_M):
     meta_digest: Id
     node: Id = ""
     """Where this producer runs (a Ray node id, a hostname): consumers on the same node are routed to it first."""
+    mac: bool = False
+    """This rank runs with ``ProducerConfig.mac`` (the coordinator refuses a rank that differs from rank 0)."""
 
 
 class Joined(_M):
@@ -225,6 +229,9 @@ class Ready(_M):
     group: Id
     chunks: list[list[int]]
     """[[chunk index, offset in the producer's registered buffer, nbytes, checksum or -1], ...]."""
+    tags: list[Tag] = []
+    """With ``ProducerConfig.mac``: each chunk's keyed tag, in the order of ``chunks`` (the consumer checks there
+    are as many); empty without."""
 
 
 class Released(_M):

@@ -38,6 +38,7 @@ from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
 from .producer_sync import ProducerSync, finish_lockstep
 from .snapshot import PendingSync, Snapshot
+from .chunkmac import chunk_key
 from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, parse_address
@@ -91,6 +92,12 @@ class ProducerConfig:
     """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError). None: on
     where the ring is in host memory (xxh3 runs at ~9 GB/s a core here, faster than the tcp link), off for a GPU ring
     (``device``: each chunk would be copied to the host for it). See :attr:`Producer.checksums`."""
+    mac: bool = False
+    """For networks an attacker can write to: every chunk carries a keyed tag (``chunkmac.py``: BLAKE2b keyed from the
+    token, bound to this rank, the version, group, chunk and length; consumers check it -> ChunkMacError), replacing
+    the xxh3 checksums, and every control frame a MAC (``transport/framemac.py``: a key fresh per connection, a
+    sequence number per direction). Every rank of a group must agree (checked at ``Join``). Costs a keyed hash of
+    every byte on both sides (``benchmarks/checksum_cost.py``)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     device: str | None = None
     """Where the ring lives and packing runs (``"cuda:0"``; None: CPU memory). With a GPU the ring is allocated
@@ -118,10 +125,10 @@ class Producer(ServedVersions):
             metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
             lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s,
-            max_routed_bytes=cfg.max_routed_bytes) \
+            max_routed_bytes=cfg.max_routed_bytes, mac=cfg.mac) \
             if cfg.rank == 0 else None
         self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
-                                    max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}")
+                                    max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}", mac=cfg.mac)
         self.address = self.server.address
         self.cv = threading.Condition()
         self.versions: dict[int, VersionState] = {}
@@ -134,8 +141,12 @@ class Producer(ServedVersions):
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
         self.lane = Lane(cfg.device)
-        self.checksums = cfg.verify_checksums if cfg.verify_checksums is not None else not self.lane.cuda
-        """Whether this rank sends a checksum with every chunk (``ProducerConfig.verify_checksums``; None: host rings)."""
+        wanted = cfg.verify_checksums if cfg.verify_checksums is not None else not self.lane.cuda
+        self.checksums = wanted and not cfg.mac
+        """Whether this rank sends an xxh3 checksum with every chunk (``ProducerConfig.verify_checksums``; None: host
+        rings; never with ``mac``, whose tags supersede them)."""
+        self.chunk_key = chunk_key(cfg.token) if cfg.mac else None
+        """With ``mac``: the key this rank tags its chunks with (derived from the token; never sent or printed)."""
         self._expect = {x.name: (torch.Size(x.shape), dtype_of(x.dtype)) for x in self.metas}
         if self.lane.cuda and not self.transport.caps.gpu:
             raise SyncError(f"producer {cfg.rank}: transport {self.transport.name!r} cannot move GPU memory (ring on "
@@ -198,14 +209,14 @@ class Producer(ServedVersions):
             raise ValueError(f"producer {cfg.rank} needs the coordinator's address")
         held = self.source.held_names()
         self.client = ControlClient(coord, cfg.token, peer="coordinator (producer 0)",
-                                    max_frame_bytes=cfg.max_frame_bytes)
+                                    max_frame_bytes=cfg.max_frame_bytes, require_mac=cfg.mac)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
-                            meta_digest=metadata_digest(self.metas), node=cfg.node)
+                            meta_digest=metadata_digest(self.metas), node=cfg.node, mac=cfg.mac)
         self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
         if cfg.rank != 0:
             self.heartbeat = Heartbeat(coord, cfg.token, m.Renew(rank=cfg.rank, incarnation=self.incarnation),
                                        lease_s=cfg.lease_s, who=f"producer {cfg.rank}", on_change=self._wake,
-                                       on_dropped=self._rejoin)
+                                       on_dropped=self._rejoin, require_mac=cfg.mac)
         self._assign(self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5))
         self.client.call(m.ProducerReady(rank=cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
                          timeout_s=cfg.init_timeout_s)

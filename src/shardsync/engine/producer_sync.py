@@ -19,6 +19,7 @@ import torch
 from . import messages as m
 from .publish import Publisher
 from .versions import VersionState
+from .chunkmac import chunk_tag
 from .wire import chunk_checksum
 from ..errors import MetadataMismatch, ProducerLost, TransportError
 from ..source import check_tensor
@@ -206,15 +207,21 @@ class ProducerSync:
         with pr.cv:
             st.pending[g] = set().union(*(self.users[u.digest] for u in units)) - st.dropped.keys()
 
-        def announce() -> None:
-            ready: dict[str, list[list[int]]] = defaultdict(list)
+        def announce() -> None:  # each plan digest's Ready: chunks, with their checksums or keyed tags
+            ready: dict[str, m.Ready] = {}
             for u in units:
                 c = u.chunk
                 region = pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
-                ready[u.digest].append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                        if pr.checksums else -1])
+                if u.digest not in ready:
+                    ready[u.digest] = m.Ready(version=self.version, group=g, chunks=[])
+                r = ready[u.digest]
+                r.chunks.append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
+                                 if pr.checksums else -1])
+                if pr.chunk_key is not None:
+                    r.tags.append(chunk_tag(pr.chunk_key, producer=pr.cfg.rank, version=self.version, group=g,
+                                            chunk=c.index, data=region))
             with pr.cv:
-                st.ready[g] = dict(ready)
+                st.ready[g] = ready
                 st.packed.append(g)
                 pr.cv.notify_all()
 

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import messages as m
 from .recvslots import RecvSlots
+from .chunkmac import check_chunk
 from .wire import chunk_checksum
-from ..errors import ChecksumError, ProducerLost, SyncError, TransportError
+from ..errors import ChecksumError, ChunkMacError, ProducerLost, SyncError, TransportError
 from ..plan.pack import ChunkParts
 
 if TYPE_CHECKING:
@@ -229,6 +230,9 @@ class Puller(threading.Thread):
         if {x[0] for x in ready.chunks} != mine:
             raise SyncError(f"consumer {c.id}: producer {p} offers chunks {sorted(x[0] for x in ready.chunks)} "
                             f"of group {ready.group!r}, routes say {sorted(mine)}")
+        if ready.tags and len(ready.tags) != len(ready.chunks):  # each tag's 16 bytes are checked at decode
+            raise ChunkMacError(f"consumer {c.id}: producer {p} announced {len(ready.chunks)} chunks of group "
+                                f"{ready.group!r} (version {version}) with {len(ready.tags)} tags")
         return ready
 
     def check_peers(self) -> None:
@@ -254,7 +258,8 @@ class Puller(threading.Thread):
         buf = c.slots[rnd.slots.acquire(group, timeout_s=c.timeout_s, abort=rnd.failing,
                                         what=f"group {group!r} of version {version}")]
         got = 0
-        for ci, off, n, checksum in ready.chunks:
+        tags = ready.tags or [None] * len(ready.chunks)
+        for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
             if rnd.failing.is_set():  # another puller or the apply failed: stop reading now
                 raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
             self.check_peers()  # the version failed at the coordinator, or this producer's lease lapsed
@@ -266,7 +271,7 @@ class Puller(threading.Thread):
                 c.transport.read(p, off, n, dst, timeout_s=max(c.lease_s, n / 50e6))
             except TransportError as e:
                 raise producer_lost(c.id, p, version, group, e) from None
-            self.verify(dst, checksum, group, ci)
+            self.verify(dst, checksum, tag, group, ci)
             got += n
         return got
 
@@ -276,7 +281,8 @@ class Puller(threading.Thread):
         c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
         group, lay, remote = ready.group, c.layouts[ready.group], rnd.direct[self.p]
         parts, got = [], 0
-        for ci, off, n, checksum in ready.chunks:
+        tags = ready.tags or [None] * len(ready.chunks)
+        for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
             if rnd.failing.is_set():
                 raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
             self.check_peers()
@@ -285,7 +291,7 @@ class Puller(threading.Thread):
                 raise SyncError(f"consumer {c.id}: producer {p} announced chunk {ci} of {group!r} at [{off}, "
                                 f"{off + n}) of its {remote.numel()}-byte buffer; expected {chunk.nbytes} bytes inside")
             data = remote[off: off + n]
-            self.verify(data, checksum, group, ci)
+            self.verify(data, checksum, tag, group, ci)
             parts.append((chunk, data))
             got += n
         rnd.read_directly(p, group, parts)
@@ -294,8 +300,17 @@ class Puller(threading.Thread):
     def release(self, group: str) -> None:
         release(self.c, self.rnd, self.p, group)
 
-    def verify(self, data: Any, checksum: int, group: str, chunk: int) -> None:
-        c, p = self.c, self.p
+    def verify(self, data: Any, checksum: int, tag: bytes | None, group: str, chunk: int) -> None:
+        """A keyed tag, where one came (``chunkmac.py``; it supersedes the checksum), else the xxh3 checksum."""
+        c, p, version = self.c, self.p, self.rnd.version
+        if tag is not None:
+            check_chunk(c.chunk_key, tag, consumer=c.id, producer=p, version=version, group=group, chunk=chunk,
+                        data=data)
+            return
+        if c.require_mac or c.coord.macs:
+            raise ChunkMacError(f"consumer {c.id}: producer {p} sent chunk {chunk} of group {group!r} (version "
+                                f"{version}) without a keyed tag, and this consumer requires them: run the producers "
+                                "with mac=True (ProducerConfig, ShardsyncTrainerInitInfo)")
         if checksum < 0:
             if c.verify_checksums:
                 raise ChecksumError(f"consumer {c.id}: producer {p} sent chunk {chunk} of group {group!r} without "

@@ -24,7 +24,7 @@ class VersionState:
     """What one producer knows about one version it serves."""
 
     members: dict[str, tuple[str, str]]  # consumer -> (digest, session)
-    ready: dict[str, dict[str, list[list[int]]]] = field(default_factory=dict)  # group -> digest -> chunks
+    ready: dict[str, dict[str, m.Ready]] = field(default_factory=dict)  # group -> digest -> its announcement
     packed: list[str] = field(default_factory=list)  # groups in the order they were packed
     pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
     dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
@@ -65,7 +65,7 @@ class ServedVersions:
                                               f"version {msg.version}: {st.dropped[msg.consumer]}")
                     g = msg.group or self._next_for(st, msg.consumer, digest, msg.after)
                     if g and g in st.ready:
-                        return m.Ready(version=msg.version, group=g, chunks=st.ready[g].get(digest, []))
+                        return st.ready[g].get(digest) or m.Ready(version=msg.version, group=g, chunks=[])
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return m.Pending()
@@ -130,4 +130,4 @@ class ServedVersions:
         """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""
         with self.cv:
             return sum(c[2] for st in self.versions.values() for g, per in st.ready.items() if st.pending.get(g)
-                       for chunks in per.values() for c in chunks)
+                       for r in per.values() for c in r.chunks)

@@ -6,11 +6,14 @@ Nothing is allocated or decoded before it is checked (engine rule 5):
    fresh nonces: the token never crosses the wire). No frame is read on a connection that has not
    authenticated.
 2. Each frame is ``!I`` length + payload; a length over the receiver's ``max_frame_bytes`` closes the
-   connection (:class:`FrameTooLarge`) before any buffer is allocated.
+   connection (:class:`FrameTooLarge`) before any buffer is allocated. On a connection in MAC mode (the server's
+   group runs with ``ProducerConfig.mac``) a 16-byte tag follows each payload (``transport/framemac.py``: a key
+   fresh per connection, a sequence number per direction); a wrong one is :class:`FrameMacError` and the
+   connection is closed.
 3. Payloads are msgspec-msgpack structs of a closed union (never pickle).
 
-    sock = handshake_client(sock, token)          # raises AuthError when refused
-    send_frame(sock, b"...");  payload = recv_frame(sock, max_frame_bytes=1 << 20)
+    frames = handshake_client(sock, token, "producer 0")   # AuthError when refused; a FrameMac in MAC mode, or None
+    send_frame(sock, b"...", frames);  payload = recv_frame(sock, max_frame_bytes=1 << 20, mac=frames)
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import struct
 from typing import Any
 
 from ..errors import TransportError
-from ..transport.handshake import MAX_TOKEN_BYTES, client_auth, server_auth
+from ..transport.framemac import TAG_BYTES, FrameMac
+from ..transport.handshake import MAX_TOKEN_BYTES, Authenticated, client_auth, server_auth
 from ..transport.tcp import recv_exact
 
 __all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
@@ -35,26 +39,34 @@ class FrameTooLarge(TransportError):
     """A peer announced a frame larger than this side accepts."""
 
 
-def handshake_client(sock: socket.socket, token: str, peer: str) -> None:
-    """Authenticate this end of a control connection (``transport/handshake.py``): AuthError when refused;
-    ``ConnectionError``/``socket.timeout`` (retried by the callers) when the connection ends first."""
-    client_auth(sock, token, peer=peer)
+def handshake_client(sock: socket.socket, token: str, peer: str, *, require_mac: bool = False) -> FrameMac | None:
+    """Authenticate this end of a control connection (``transport/handshake.py``): AuthError when refused (or, with
+    ``require_mac``, when the server does not MAC its frames); ``ConnectionError``/``socket.timeout`` (retried by
+    the callers) when the connection ends first. Returns the connection's frame MAC state (None: plain)."""
+    return client_auth(sock, token, peer=peer, require_mac=require_mac).frames
 
 
-def handshake_server(sock: socket.socket, token: str, *, deadline_s: float = 10.0, on_refused=None) -> bool:
-    """True when the peer proved it holds ``token``; a refused peer is told so (the caller then closes)."""
-    return server_auth(sock, token, deadline_s=deadline_s, on_refused=on_refused)
+def handshake_server(sock: socket.socket, token: str, *, deadline_s: float = 10.0, on_refused=None,
+                     mac: bool = False) -> Authenticated | None:
+    """An ``Authenticated`` (its ``frames``: the MAC state in MAC mode) when the peer proved it holds ``token``;
+    None when refused (the peer is told so; the caller then closes)."""
+    return server_auth(sock, token, deadline_s=deadline_s, on_refused=on_refused, mac=mac)
 
 
-def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LEN.pack(len(payload)) + payload)
+def send_frame(sock: socket.socket, payload: bytes, mac: FrameMac | None = None) -> None:
+    head = _LEN.pack(len(payload))
+    sock.sendall(head + payload if mac is None else head + payload + mac.seal(payload))
 
 
-def recv_frame(sock: socket.socket, *, max_frame_bytes: int) -> bytes:
+def recv_frame(sock: socket.socket, *, max_frame_bytes: int, mac: FrameMac | None = None) -> bytes:
+    """The next frame's payload; with ``mac``, only once its tag checked (:class:`FrameMacError` otherwise)."""
     (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if n > max_frame_bytes:
         raise FrameTooLarge(f"peer announced a {n}-byte frame, the limit is {max_frame_bytes}")
-    return recv_exact(sock, n)
+    payload = recv_exact(sock, n)
+    if mac is not None:
+        mac.check(payload, recv_exact(sock, TAG_BYTES))
+    return payload
 
 
 def chunk_checksum(data) -> int:

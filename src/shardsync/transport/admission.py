@@ -66,8 +66,9 @@ class Admission:
         self.max_pending, self.max_per_source = max_pending, max_per_source
         self.refused: dict[str, int] = defaultdict(int)
         """Refusals by reason: ``capacity`` (cut: over a cap), ``deadline`` (handshake too slow), ``token`` (wrong
-        token; counted by the server through :meth:`refuse`), ``accept_error`` (transient accept failures),
-        ``no_thread`` (no thread could be started)."""
+        token; counted by the server through :meth:`refuse`), ``mac`` (a control frame whose MAC is wrong: its
+        connection is closed), ``accept_error`` (transient accept failures), ``no_thread`` (no thread could be
+        started)."""
         self._pending: dict[socket.socket, tuple[str, float]] = {}
         self._per_source: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()

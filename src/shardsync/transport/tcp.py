@@ -63,10 +63,11 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None, *,
 
 
 def token_ok(conn: socket.socket, token: str, timeout_s: float, on_refused: Any = None) -> bool:
-    """The server side of the data plane's handshake (``handshake.py``): True when the peer proved the token."""
+    """The server side of the data plane's handshake (``handshake.py``): True when the peer proved the token. The
+    data plane runs plain (no frame MACs): chunk tags in MACed ``Ready`` frames cover its bytes end to end."""
     from .handshake import server_auth
 
-    return server_auth(conn, token, deadline_s=timeout_s, on_refused=on_refused)
+    return server_auth(conn, token, deadline_s=timeout_s, on_refused=on_refused) is not None
 
 
 def send_token(sock: socket.socket, token: str, extra: bytes = b"") -> bool:

@@ -86,6 +86,8 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     timeout_s: float = 120.0
     verify_checksums: bool = False
     """Demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
+    require_mac: bool = False
+    """Demand keyed chunk tags and MACed control frames (the producers' ``mac``; ``Consumer.require_mac``)."""
     recv_budget_bytes: int | None = None
     """The most bytes this worker's receive buffers may take (at least two of its largest groups)."""
     inspect_to: str = ""
@@ -226,7 +228,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
                                  apply=self._apply, transport=init_info.transport,
                                  transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
-                                 verify_checksums=init_info.verify_checksums,
+                                 verify_checksums=init_info.verify_checksums, require_mac=init_info.require_mac,
                                  recv_budget_bytes=init_info.recv_budget_bytes,
                                  device=_recv_device(init_info, self.device))
         try:

@@ -71,6 +71,9 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     verify_checksums: bool | None = None
     """Chunk checksums (``ProducerConfig.verify_checksums``; None: on for host rings). True also makes every worker
     demand them."""
+    mac: bool = False
+    """Keyed chunk tags and per-frame MACs for untrusted networks (``ProducerConfig.mac``; they supersede the
+    checksums). True also makes every worker require them (``require_mac``)."""
     recv_budget_bytes: int | None = None
     """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
@@ -139,7 +142,8 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
                              lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
                              init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
                              gather_budget_bytes=init_info.gather_budget_bytes,
-                             verify_checksums=init_info.verify_checksums, device=init_info.device)
+                             verify_checksums=init_info.verify_checksums, device=init_info.device,
+                             mac=init_info.mac)
         token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
         # rank 0 must be listening before the others dial it: make the server first, then share its address
         producer = None
@@ -162,7 +166,8 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
             return engine
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
-                   "verify_checksums": bool(init_info.verify_checksums), "recv_budget_bytes": init_info.recv_budget_bytes}
+                   "verify_checksums": bool(init_info.verify_checksums), "require_mac": bool(init_info.mac),
+                   "recv_budget_bytes": init_info.recv_budget_bytes}
         # an engine-side failure (a worker that cannot start the backend) ends the producers' init at once
         engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
                      what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)

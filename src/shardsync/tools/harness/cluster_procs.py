@@ -5,8 +5,11 @@ producer (:class:`TrainerProc`) or one zoo consumer (:class:`ConsumerProc`). The
 A failed sync is an answer, not the end of the process (``{"error": ...}``): the run goes on, as a real one
 would. Fault injection is real: ``sync(v, {"die_at_chunk": k})`` makes the process SIGKILL itself right after
 its k-th chunk read, ``{"die_at_apply": k}`` in the middle of applying its k-th group, ``{"die_after_groups": k}``
-(producer) after gathering its k-th group, ``{"fail_at_begin": True}`` (producer) fails this rank's start of the
-version (it stays alive). ``baseline(v)`` is the same version through the broadcast baseline
+(producer) after gathering its k-th group, ``{"flip_at_chunk": k}`` flips a bit of the k-th chunk as it lands,
+``{"replay": "record"}`` starts keeping every chunk that passes its check and ``{"replay": "version"}`` (``"group"``,
+``"producer"``) then has one chunk arrive as a kept one from an earlier version (another group, another producer),
+with its tag (``tamper.ChunkReplay``; ``replayed`` in the answer), ``{"fail_at_begin": True}`` (producer) fails this
+rank's start of the version (it stays alive). ``baseline(v)`` is the same version through the broadcast baseline
 (``tools/baseline.py``); ``check()`` compares what a consumer holds with its own loaders on the trainer's weights.
 """
 
@@ -56,6 +59,10 @@ class TrainerProc:
 
     def address(self) -> Any:
         return self.producer.address
+
+    def refused(self) -> dict[str, int]:
+        """What this rank's control server refused, by reason (``token``, ``frame``, ``decode``, ``mac``)."""
+        return dict(self.producer.server.refused)
 
     def init(self) -> dict[str, Any]:
         """Waits until every consumer has registered (and joins the baseline's world, if any)."""
@@ -137,12 +144,18 @@ class ConsumerProc:
                                      **ccfg)
         read = self.consumer.transport.read
 
-        def counting_read(*a, **k):
-            read(*a, **k)
+        def counting_read(p, off, n, into, **k):
+            read(p, off, n, into, **k)
+            if "flip_at_chunk" in self.faults:
+                self.faults["flip_at_chunk"] -= 1
+                if self.faults["flip_at_chunk"] <= 0:
+                    del self.faults["flip_at_chunk"]
+                    into[n // 2] ^= 1  # one bit, in transit
             _countdown(self.faults, "die_at_chunk")
 
         self.consumer.transport.read = counting_read  # type: ignore[method-assign]
         self.holds = {"version": 0, "torn": False}  # what the live model holds: the last sync that wrote it
+        self.replay: Any = None
 
     def init(self) -> dict[str, Any]:
         """Hello, record, register, routes (and joins the baseline's world, if any)."""
@@ -161,11 +174,21 @@ class ConsumerProc:
         cons = self.consumer
         self.faults.clear()
         self.faults.update(fault or {})
+        if self.replay is not None:
+            self.replay.armed = ""  # a replay asked for in an earlier sync that found no chunk to replace ends
+        if "replay" in self.faults:
+            from .tamper import ChunkReplay
+
+            self.replay = self.replay or ChunkReplay()
+            if self.faults["replay"] != "record":
+                self.replay.arm(self.faults.pop("replay"))
         before = (cons.version, cons.torn)
         try:
             out = dict(cons.sync(version), ok=True, version=version)
         except Exception as e:
             out = dict(_failure(e), ok=False, torn=cons.torn, version=cons.version)
+        if self.replay is not None:
+            out["replayed"] = list(self.replay.replayed)
         if (cons.version, cons.torn) != before:  # a failed sync that wrote nothing leaves the model as it was
             self.holds.update(version=cons.version, torn=cons.torn)
         return out
