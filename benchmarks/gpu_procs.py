@@ -39,7 +39,8 @@ def zoo_config(args) -> ZooConfig:
     cfg = ZooConfig(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
                     heads=c["num_attention_heads"], kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
                     experts=c["num_experts"], moe_inter=c["moe_intermediate_size"], qk_norm=True)
-    over = {k: v for k, v in (("layers", args.layers), ("experts", args.experts)) if v}
+    over = {k: v for k, v in (("layers", args.layers), ("experts", args.experts),
+                              ("moe_inter", getattr(args, "moe_inter", 0))) if v}
     if args.device == "cpu":  # logic check: shrink
         over.update(vocab=1024, hidden=256, heads=4, kv_heads=2, head_dim=128, moe_inter=256)
     return ZooConfig(**{**cfg.__dict__, **over})

@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--layers", type=int, default=0)
     ap.add_argument("--experts", type=int, default=0)
+    ap.add_argument("--moe-inter", type=int, default=0, help="expert FFN width (the scaling table: 4x the experts at "
+                                                            "1/4 the width moves the same bytes in 4x the tensors)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--port", type=int, default=29513)
     ap.add_argument("--chunk-mb", type=int, default=1024, help="ProducerConfig.max_chunk_bytes in MiB")
