@@ -207,3 +207,31 @@ def test_unaligned_payloads_are_read() -> None:
     held = old.clone()
     codec.decode_(held, Encoded(e.header, raw[1:]), base=0)
     assert torch.equal(held, new)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("frac", [0.0, 0.01, 0.2, 1.0])
+def test_cuda_round_trip_and_history(frac: float) -> None:
+    """The same plain-torch code on the device: the same forms and payloads as on the CPU, applied exactly."""
+    from shardsync.delta.history import DeltaHistory
+
+    new, old = _pair((4 << 20) + 6, frac, 11)
+    cpu = codec.encode(new, old, base=2)
+    dn, do = new.cuda(), old.cuda()
+    dev = codec.encode(dn, do, base=2)
+    assert dev.header == cpu.header and torch.equal(dev.payload.cpu(), cpu.payload)
+    held = do.clone()
+    codec.decode_(held, dev, base=2)
+    assert torch.equal(held, dn)
+    key = ("d", "g", 0)
+    for where in ("cuda", "cpu"):  # the history on the device, or on the host with device chunks
+        h = DeltaHistory({key: new.numel()}, budget_bytes=2 * new.numel() + 64, device=where, pin_memory=True)
+        h.begin(1)
+        h.encode(key, do)
+        h.commit(1)
+        h.begin(2)
+        e = h.encode(key, dn, checksum=True)
+        assert e.header == msgspec.structs.replace(cpu.header, base=1, checksum=codec.checksum(new))
+        h.rollback()
+        assert torch.equal(h.held(key).cpu(), old) and h.version(key) == 1
