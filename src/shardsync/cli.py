@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--record", choices=["full", "template"], default="full",
                     help="full: record every consumer's plan; template: record distinct plan shapes once")
     sm.add_argument("--colocate", action="store_true", help="consumers on the trainer nodes")
+    sm.add_argument("--changed-fraction", metavar="F[,F...]", default=None,
+                    help="delta sync: predict bytes and time at these changed fractions (0.01 or 1%%; '' for none; "
+                         "kimi-k2-48n defaults to 1%%,2%%,5%%)")
+    sm.add_argument("--encode-gbps", type=float, default=500.0, help="delta encode rate, GB/s of dense chunk bytes")
+    sm.add_argument("--decode-gbps", type=float, default=2000.0, help="delta decode rate, GB/s of dense chunk bytes")
     sm.add_argument("--json", action="store_true")
     return ap
 

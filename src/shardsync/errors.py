@@ -79,3 +79,31 @@ class ChunkMacError(ChecksumError):
 class FrameMacError(AuthError):
     """A control frame's MAC is wrong (a frame tampered with, replayed, reordered or injected on the wire): the
     connection is closed."""
+
+
+class DeltaError(SyncError):
+    """Delta sync (``shardsync.delta``): a delta could not be encoded, validated or applied; the chunk's consumer
+    must get the dense bytes instead."""
+
+
+class DeltaFormatError(DeltaError):
+    """A delta header or payload is malformed or out of bounds (wrong kind, size, count, index, bitmap).
+    ``field`` names what was wrong; nothing was allocated from it or written."""
+
+    def __init__(self, msg: str, *, field: str = ""):
+        self.field = field
+        super().__init__(msg)
+
+
+class DeltaMismatch(DeltaError):
+    """A delta does not fit what this side holds: it is against another version, or the bytes after applying it
+    differ from the producer's checksum. The consumer is torn for that group; its next sync must be dense."""
+
+
+class DeltaBudgetError(DeltaError):
+    """The bytes the delta history must keep exceed its stated budget (raised at construction)."""
+
+    def __init__(self, *, budget: int, need: int, what: str = "delta history"):
+        self.budget, self.need = budget, need
+        super().__init__(f"{what}: the served chunks need {need:,} bytes, more than the budget of {budget:,} bytes "
+                         f"(raise the budget to at least {need:,}, or serve dense)")

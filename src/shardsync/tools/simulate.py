@@ -33,7 +33,9 @@ Modelling choices:
   *Parallel PP* (``parallel_pp_s``; the engine's default schedule: one puller per producer, receive slots
   shared under the head rule of ``engine/recvslots.py``): consumers pull from ``k`` PP stages at once, ``k``
   bounded by a receive-memory budget (k + 1 slots of the largest group); time = max(consumer NICs, stage work ÷ k, slowest
-  stage) + fill + drain.
+  stage, a stage's gather + pack in turn, a consumer's apply in turn) + fill + drain.
+- **Delta sync** (``--changed-fraction``; :mod:`shardsync.tools.sim_delta`): the same routes and clock again per
+  fraction, each chunk in the codec's chosen form, encode after pack and decode before apply at stated rates.
 
 Plans are recorded in ``full`` mode by default (every tensor through every distinct consumer's loaders; Kimi-K2's
 32 distinct ranks take ~30 s on 2 cores); ``record="template"`` (:mod:`shardsync.plan.template`) gives the same
@@ -47,12 +49,14 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Sequence
 
 from .output import emit_json
 from ..plan.groups import POST, PRE, group_order, weight_group
 from ..plan.route import chunk_layouts, route_plans
+from .sim_delta import DECODE_GBPS, ENCODE_GBPS, DeltaModel, delta_summary, parse_fractions, scale_seed
 from .sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
+from .sim_report import table
 
 __all__ = ["PRESETS", "Topology", "run_simulate", "simulate", "calibrate_cpu", "pipeline_time", "holders"]
 
@@ -72,7 +76,7 @@ LOOKAHEAD, RECV_SLOTS = 1, 2
 PRESETS: dict[str, dict[str, Any]] = {
     "kimi-k2-48n": dict(config="kimi-k2", trainer="tp8,pp8,ep32,etp1", inference="tp32,ep32", replicas=4,
                         trainer_nodes=32, seed={"measured_s": 7.53, "abs_sol_s": 1.25, "serial_pp_sol_s": 5.0,
-                                                "model_bytes": 2e12}),
+                                                "model_bytes": 2e12}, delta=(0.01, 0.02, 0.05)),
     "qwen3-235b-4n": dict(config="qwen3-235b-a22b", trainer="tp4,pp2,ep8", inference="dp16,ep16", replicas=1,
                           trainer_nodes=2, seed={"measured_s": 3.49}),
 }
@@ -120,65 +124,72 @@ def _top(cands: list[tuple[float, str]]) -> tuple[float, str]:
     return max(cands, key=lambda c: c[0])
 
 
-def _fmt_s(x: float) -> str:
-    return f"{x:.3f}" if x >= 1e-3 else f"{x:.3g}"
-
-
 def _sig(x: float) -> float:
     return float(f"{x:.5g}")
 
 
-def _fmt_b(n: float) -> str:
-    for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{n / 1e3:.1f} kB"
-
-
 def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gbps: float = 450,
-             record: str = "full", recv_budget: int = DEFAULT_RECV_BUDGET) -> dict[str, Any]:
-    """Record, route and cost one sync; returns every figure (bytes, buffers, times, bottlenecks)."""
-    nic, nvl = nic_gbps * 1e9 / 8, nvlink_gbps * 1e9
-    metas = spec.metadata()
-    size = {m.name: m.nbytes for m in metas}
+             record: str = "full", recv_budget: int = DEFAULT_RECV_BUDGET,
+             delta: Sequence[DeltaModel] = ()) -> dict[str, Any]:
+    """Record, route and cost one sync; returns every figure (bytes, buffers, times, bottlenecks). Each of
+    ``delta`` costs the same sync again with that changed fraction (``r["delta"]``; :mod:`.sim_delta`)."""
     t0 = time.perf_counter()
+    metas = spec.metadata()
     keys = [top.consumer_key(c) for c in range(top.consumers)]
     plans = record_plans(spec, keys, mode=record, metas=metas)
     t1 = time.perf_counter()
-    digest = {k: p.digest for k, p in plans.items()}
     by_digest = {p.digest: p for p in plans.values()}
     consumers_of: dict[str, list[int]] = defaultdict(list)
     for c, k in enumerate(keys):
-        consumers_of[digest[k]].append(c)
+        consumers_of[plans[k].digest].append(c)
     hold, stage = holders(spec, [m.name for m in metas], top)
     routes, load = route_plans(by_digest, hold, {d: len(cs) for d, cs in consumers_of.items()})
-    t2 = time.perf_counter()
+    lays = {d: chunk_layouts(plan, hold) for d, plan in by_digest.items()}
+    routed = dict(metas=metas, by_digest=by_digest, consumers_of=consumers_of, stage=stage, routes=routes, load=load,
+                  lays=lays, record=record, record_s=round(t1 - t0, 2), route_s=round(time.perf_counter() - t1, 2))
+    r = _cost(spec, top, routed, nic_gbps=nic_gbps, nvlink_gbps=nvlink_gbps, recv_budget=recv_budget)
+    if delta:
+        r["delta"] = [delta_summary(r, _cost(spec, top, routed, nic_gbps=nic_gbps, nvlink_gbps=nvlink_gbps,
+                                             recv_budget=recv_budget, delta=d), d) for d in delta]
+    return r
 
+
+def _cost(spec: ModelSpec, top: Topology, routed: dict[str, Any], *, nic_gbps: float, nvlink_gbps: float,
+          recv_budget: int, delta: DeltaModel | None = None) -> dict[str, Any]:
+    """The clock of one sync over routed plans; with ``delta``, chunks travel in the codec's form at its changed
+    fraction, producers encode after packing and consumers decode before unpacking (at its rates)."""
+    nic, nvl = nic_gbps * 1e9 / 8, nvlink_gbps * 1e9
+    metas, stage, load = routed["metas"], routed["stage"], routed["load"]
+    size = {m.name: m.nbytes for m in metas}
     # flows: group -> producer -> consumer -> bytes, plus the producers' packing / gathering per group
-    recv = defaultdict(lambda: defaultdict(lambda: [0, 0]))   # g -> c -> [inter, intra]
+    recv = defaultdict(lambda: defaultdict(lambda: [0, 0]))   # g -> c -> [inter, intra] (wire bytes)
     send = defaultdict(lambda: defaultdict(lambda: [0, 0]))   # g -> p -> [inter, intra]
     ctrl = defaultdict(lambda: defaultdict(float))            # g -> c -> control + read latency seconds
     packed = defaultdict(lambda: defaultdict(int))            # g -> p -> bytes packed (once per plan)
+    unpacked = defaultdict(lambda: defaultdict(int))          # g -> c -> dense bytes applied
     gathered = defaultdict(lambda: defaultdict(set))          # g -> p -> full tensors gathered
     largest = (0, "")
-    for d, plan in by_digest.items():
-        lays = chunk_layouts(plan, hold)
+    for d, plan in routed["by_digest"].items():
         for g in plan.groups:
-            lay = lays[g.name]
+            lay = routed["lays"][d][g.name]
             largest = max(largest, (lay.nbytes, g.name))
-            per_p: dict[int, list[int]] = defaultdict(lambda: [0, 0])
-            for c, p in zip(lay.chunks, routes[d][g.name]):
-                per_p[p][0] += c.nbytes
+            per_p: dict[int, list[int]] = defaultdict(lambda: [0, 0, 0])
+            for c, p in zip(lay.chunks, routed["routes"][d][g.name]):
+                per_p[p][0] += c.nbytes if delta is None else delta.wire_bytes(c.nbytes)
                 per_p[p][1] += 1
+                per_p[p][2] += c.nbytes
                 gathered[g.name][p].update(s.src for s in g.scatters[c.first:c.stop])
-            for p, (nb, nc) in per_p.items():
-                packed[g.name][p] += nb
-                for c in consumers_of[d]:
+            for p, (nb, nc, dense) in per_p.items():
+                packed[g.name][p] += dense
+                for c in routed["consumers_of"][d]:
                     intra = top.producer_node(p) == top.consumer_node(c)
                     recv[g.name][c][intra] += nb
                     send[g.name][p][intra] += nb
+                    unpacked[g.name][c] += dense
                     ctrl[g.name][c] += 2 * CONTROL_RTT_S + nc * READ_LATENCY_S
     order = group_order(recv)
+    enc_s = (lambda b: 0.0) if delta is None else delta.encode_s  # noqa: E731
+    dec_s = (lambda b: 0.0) if delta is None else delta.decode_s  # noqa: E731
 
     def cname(c: int) -> str:
         return f"consumer {top.consumer_label(c)} (node {top.consumer_node(c)})"
@@ -201,8 +212,8 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
     for g in order:
         xfer[g] = _top([busiest(send[g], pname), busiest(recv[g], cname)])
         xfer[g] = (xfer[g][0] + max(ctrl[g].values()), xfer[g][1])
-        prep[g] = max(gather_s(g, p) + packed[g][p] / HBM_COPY_BPS for p in packed[g])
-        apply_[g] = max(sum(v) for v in recv[g].values()) / HBM_COPY_BPS
+        prep[g] = max(gather_s(g, p) + packed[g][p] / HBM_COPY_BPS + enc_s(packed[g][p]) for p in packed[g])
+        apply_[g] = max(v / HBM_COPY_BPS + dec_s(v) for v in unpacked[g].values())
     predicted, steps = pipeline_time([xfer[g][0] for g in order], [prep[g] for g in order],
                                      [apply_[g] for g in order])
     kinds: dict[str, list] = defaultdict(lambda: [0.0, 0])
@@ -240,6 +251,7 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
 
     # serial PP: stage after stage, each limited by its own ranks' NICs and by each replica's NICs
     serial, serial_blame, stage_impl = 0.0, defaultdict(float), defaultdict(float)
+    stage_prep: dict[int, float] = defaultdict(float)  # a stage's ranks gather + pack (+ encode) its groups in turn
     for s in range(top.pp):
         gs = [g for g in order if stage[g] == s]
         st = [sum(send[g][p][i] for g in gs for p in send[g]) for i in (0, 1)]
@@ -253,6 +265,7 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
         serial += t[0]
         serial_blame[t[1]] += t[0]
         stage_impl[s] = sum(xfer[g][0] for g in gs)
+        stage_prep[s] = sum(prep[g] for g in gs)
 
     # parallel PP under a receive budget: k streams, one per stage, each with its own slot (+1 applying)
     k = max(1, min(top.pp, recv_budget // max(largest[0], 1) - 1))
@@ -261,7 +274,9 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
     worst = bound(c_tot[worst_c], 1, cname(worst_c))
     par = _top([(worst[0] + ctrl_sum / k, worst[1]),
               (sum(stage_impl.values()) / k, f"PP-stage concurrency ({k} of {top.pp} stages at once)"),
-              (max(stage_impl.values()), f"PP stage {max(stage_impl, key=stage_impl.get)}")])
+              (max(stage_impl.values()), f"PP stage {max(stage_impl, key=stage_impl.get)}"),
+              (max(stage_prep.values()), f"PP stage {max(stage_prep, key=stage_prep.get)} gather/pack/encode"),
+              (sum(apply_.values()), "consumer apply/decode")])
     par_s = par[0] + prep[order[0]] + apply_[order[-1]]
 
     imbalance = max((max(sum(v) for v in send[g].values()) * top.stage_size / sum(sum(v) for v in send[g].values()), g)
@@ -272,8 +287,8 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
     return {
         "model": spec.name, "arch": spec.arch, "model_bytes": sum(size.values()), "tensors": len(metas),
         "producers": top.producers, "producers_used": len(p_tot), "consumers": top.consumers,
-        "distinct_plans": len(by_digest), "record_mode": record, "record_s": round(t1 - t0, 2),
-        "route_s": round(t2 - t1, 2), "nic_gbps": nic_gbps, "nvlink_gbps": nvlink_gbps,
+        "distinct_plans": len(routed["by_digest"]), "record_mode": routed["record"], "record_s": routed["record_s"],
+        "route_s": routed["route_s"], "nic_gbps": nic_gbps, "nvlink_gbps": nvlink_gbps,
         "replica_bytes": sum(rep_tot[r_max]), "total_bytes": sum(total), "inter_node_bytes": total[0],
         "intra_node_bytes": total[1],
         "per_consumer_bytes_max": max(sum(v) for v in c_tot.values()),
@@ -290,6 +305,7 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
         "largest_gather_group": peak_gather[1],
         "group_imbalance": round(imbalance[0], 3), "group_imbalance_group": imbalance[1], "routed_bytes_sum": sum(load.values()),
         "peak_ring_bytes": (LOOKAHEAD + 1) * peak_pack,
+        "per_producer_packed_bytes_max": max(sum(packed[g].get(p, 0) for g in order) for p in p_tot),
         "abs_sol_s": _sig(abs_sol[0]), "abs_sol_bottleneck": abs_sol[1],
         "serial_pp_sol_s": _sig(serial), "serial_pp_bottleneck": max(serial_blame, key=serial_blame.get),
         "predicted_s": _sig(predicted), "predicted_bottleneck": predicted_blame,
@@ -298,49 +314,14 @@ def simulate(spec: ModelSpec, top: Topology, *, nic_gbps: float = 400, nvlink_gb
     }
 
 
-def _table(r: dict[str, Any], top: Topology) -> str:
-    nic = r["nic_gbps"] / 8
-    rows = [
-        f"{r['model']} ({r['arch']}): {_fmt_b(r['model_bytes'])} in {r['tensors']:,} tensors",
-        top.describe(),
-        f"links: NIC {r['nic_gbps']:g} Gbit/s ({nic:g} GB/s) per GPU, NVLink {r['nvlink_gbps']:g} GB/s per GPU",
-        f"plans: {r['distinct_plans']} distinct (recorded '{r['record_mode']}' in {r['record_s']} s), "
-        f"routed + laid out in {r['route_s']} s; {r['producers_used']} producers serve",
-        "",
-        f"{'bytes':<34}{'max':>12}{'inter-node':>14}{'intra-node':>14}",
-        f"{'per consumer':<34}{_fmt_b(r['per_consumer_bytes_max']):>12}"
-        f"{_fmt_b(r['per_consumer_inter_bytes_max']):>14}{_fmt_b(r['per_consumer_intra_bytes_max']):>14}",
-        f"{'per producer':<34}{_fmt_b(r['per_producer_bytes_max']):>12}"
-        f"{_fmt_b(r['per_producer_inter_bytes_max']):>14}{_fmt_b(r['per_producer_intra_bytes_max']):>14}",
-        f"{'into one replica':<34}{_fmt_b(r['replica_bytes']):>12}",
-        f"{'all consumers (= all producers)':<34}{_fmt_b(r['consumer_bytes_sum']):>12}"
-        f"{_fmt_b(r['inter_node_bytes']):>14}{_fmt_b(r['intra_node_bytes']):>14}",
-        f"{'peak receive buffer / consumer':<34}{_fmt_b(r['peak_recv_bytes']):>12}   "
-        f"{RECV_SLOTS} slots x largest group ({r['largest_group']})",
-        f"{'peak gathered / producer':<34}{_fmt_b(r['peak_gather_bytes']):>12}   (lookahead {LOOKAHEAD} + 1) x "
-        f"largest gathered group ({r['largest_gather_group']}); packed ring {_fmt_b(r['peak_ring_bytes'])}",
-        "",
-        f"{'time':<34}{'seconds':>12}   bottleneck",
-        f"{'absolute SoL':<34}{_fmt_s(r['abs_sol_s']):>12}   {r['abs_sol_bottleneck']}",
-        f"{'serial-PP SoL':<34}{_fmt_s(r['serial_pp_sol_s']):>12}   {r['serial_pp_bottleneck']}",
-        f"{'serial-PP schedule':<34}{_fmt_s(r['predicted_s']):>12}   {r['predicted_bottleneck']}",
-        f"{'shardsync, parallel PP (' + str(r['parallel_pp_streams']) + ' streams)':<34}"
-        f"{_fmt_s(r['parallel_pp_s']):>12}   "
-        f"{r['parallel_pp_bottleneck']}; {_fmt_b(r['parallel_pp_recv_bytes'])} receive buffers "
-        f"(budget {_fmt_b(r['recv_budget_bytes'])})",
-    ]
-    rows.append(f"per-group route balance: the busiest producer of {r['group_imbalance_group']} carries "
-                f"{r['group_imbalance']:.2f}x its PP stage's mean (the lockstep schedule waits for it)")
-    if r.get("seed"):
-        rows.append(f"seed reference: {', '.join(f'{k} {v:g}' for k, v in r['seed'].items())}")
-    return "\n".join(rows)
-
-
 def run_simulate(*, config: str | None = None, preset: str | None = None, trainer: str | None = None,
                  inference: str | None = None, replicas: int | None = None, trainer_nodes: int | None = None,
                  gpus_per_node: int = 8, nic_gbps: float = 400, nvlink_gbps: float = 450, as_json: bool = False,
-                 record: str = "full", colocate: bool = False, recv_budget: int = DEFAULT_RECV_BUDGET) -> dict:
-    """CLI entry: a preset fills every argument left None; prints the table (and JSON as the last line)."""
+                 record: str = "full", colocate: bool = False, recv_budget: int = DEFAULT_RECV_BUDGET,
+                 changed_fractions: Sequence[float] | None = None, encode_gbps: float = ENCODE_GBPS,
+                 decode_gbps: float = DECODE_GBPS) -> dict:
+    """CLI entry: a preset fills every argument left None (``changed_fractions`` too: ``[]`` for none); prints the
+    table (and JSON as the last line)."""
     p = PRESETS.get(preset or "", {}) if preset else {}
     if preset and not p:
         raise ValueError(f"unknown preset {preset!r} (known: {sorted(PRESETS)})")
@@ -352,10 +333,14 @@ def run_simulate(*, config: str | None = None, preset: str | None = None, traine
     spec = model_spec(load_config(config), name=str(config).rsplit("/", 1)[-1].removesuffix(".json"))
     top = Topology.build(trainer=trainer, inference=inference, replicas=replicas, trainer_nodes=trainer_nodes,
                          gpn=gpus_per_node, experts=spec.experts, colocate=colocate)
-    r = simulate(spec, top, nic_gbps=nic_gbps, nvlink_gbps=nvlink_gbps, record=record, recv_budget=recv_budget)
+    fractions = p.get("delta", ()) if changed_fractions is None else changed_fractions
+    models = [DeltaModel(fraction=f, encode_gbps=encode_gbps, decode_gbps=decode_gbps) for f in fractions]
+    r = simulate(spec, top, nic_gbps=nic_gbps, nvlink_gbps=nvlink_gbps, record=record, recv_budget=recv_budget,
+                 delta=models)
     if p.get("seed"):
         r["seed"] = p["seed"]
-    print(_table(r, top))
+        scale_seed(r)
+    print(table(r, top, recv_slots=RECV_SLOTS, lookahead=LOOKAHEAD))
     if as_json:
         emit_json(r)
     return r
@@ -392,7 +377,8 @@ def run(args) -> int:
         run_simulate(config=args.config, preset=args.preset, trainer=args.trainer, inference=args.inference,
                      replicas=args.replicas, trainer_nodes=args.trainer_nodes, gpus_per_node=args.gpus_per_node,
                      nic_gbps=args.nic_gbps, nvlink_gbps=args.nvlink_gbps, as_json=args.json, record=args.record,
-                     colocate=args.colocate)
+                     colocate=args.colocate, encode_gbps=args.encode_gbps, decode_gbps=args.decode_gbps,
+                     changed_fractions=None if args.changed_fraction is None else parse_fractions(args.changed_fraction))
     except ValueError as e:
         print(f"shardsync simulate: {e}", file=sys.stderr)
         return 2
