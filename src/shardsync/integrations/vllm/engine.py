@@ -20,14 +20,11 @@ the plan as JSON. A sync writes each received group's slices into vLLM's layerwi
 as a layer is complete, replays the layer's FIRST-LOAD processing (``fresh``), so that the engine holds
 what a fresh engine loaded from the same weights holds.
 
-Torn updates (fail closed). Layers are applied in place as they arrive, so an update that stops half-way
-(``update_weights`` raising after some groups were applied, ``finish_weight_update`` finding groups
-missing, a shutdown mid-update) leaves this rank TORN: its groups hold different versions. Each rank
-tracks the version every group holds (a group interrupted mid-apply counts as ``partial``) and says so in
-``sync_state()`` and ``status_rank{R}.json`` (``complete_version``, ``torn``, ``holds`` e.g.
-``"torn:1+2"``, ``versions_held``, ``partial_groups``); the engine core's guard (``guard``) then refuses
-every request and reports ``get_weight_version() == "torn:1+2"`` until a later sync completes on every
-rank. ``version`` only advances on a complete sync, so a failed version may be retried.
+Torn updates (fail closed): an update that stops half-way (``update_weights`` raising after some groups were
+applied, groups missing at ``finish_weight_update``, a shutdown mid-update) leaves this rank TORN. Each rank tracks
+the version every group holds (``partial`` mid-apply) in ``sync_state()`` and ``status_rank{R}.json`` (``torn``,
+``holds`` e.g. ``"torn:1+2"``); the engine core's ``guard`` refuses every request until a later sync completes on
+every rank. ``version`` only advances on a complete sync, so a failed version may be retried.
 """
 
 from __future__ import annotations
@@ -57,10 +54,8 @@ from .processor import FreshProcessor
 log = logging.getLogger("shardsync.vllm")
 
 SHUTDOWN_BOUND_S = 2.0
-"""The most ``shutdown`` waits for the consumer to close. vLLM gives a worker process
-``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s) before it escalates to SIGTERM/SIGKILL, and an in-process
-engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) shuts down inside the driver's own exit: saying goodbye to
-producers that stopped answering must hold neither."""
+"""The most ``shutdown`` waits for the consumer to close: vLLM gives a worker 5 s before SIGTERM/SIGKILL, and an
+in-process engine shuts down inside the driver's exit; a goodbye to silent producers must hold neither."""
 
 
 @dataclass
