@@ -112,3 +112,49 @@ def test_held_chunks_version_only_on_commit() -> None:
     held.fail()  # a failed sync's bytes are no base
     assert held.versions[("g", 0)] is None
     assert held.parts("g").parts[1][1].numel() == 1000
+
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("mode", ["mac", "plain_consumers"])
+def test_delta_with_keyed_tags_or_plain_consumers(mode: str) -> None:
+    """``mac``: each delta-decoded chunk is also checked against its producer's keyed tag. ``plain_consumers``:
+    consumers without ``delta`` read the dense bytes of delta producers' rings, as before."""
+    spec = {"kind": "zoo", "cfg": asdict(CFG), "changed": 0.002}
+    kw = dict(mac=True, delta=True) if mode == "mac" else dict(producer_extra={"delta": True})
+    with LocalCluster(CFG, producers=2, replicas=1, tp=2, lease_s=LEASE, timeout_s=8 * LEASE,
+                      max_chunk_bytes=32 << 10, spec=spec, **kw) as cl:
+        first = {}
+        for v in (1, 2, 3):
+            r = cl.sync(v)
+            assert r["exact"], _why(r)
+            for k, c in _by(r).items():
+                first.setdefault(k, c["bytes_received"])
+                if mode == "plain_consumers":
+                    assert "delta_chunks" not in c and c["bytes_received"] == first[k], c
+                elif v > 1:
+                    assert c["delta_chunks"] > 0 and c["delta_heals"] == 0, c
+                    assert c["bytes_received"] * 10 <= first[k], c
+            assert all(p["delta_offered"] > 0 for p in r["producers"]) or v == 1
+
+
+def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
+    from shardsync.engine.delta_send import DeltaSender
+    from shardsync.errors import DeltaBudgetError
+
+    lay = _layout()
+    units = {"g": [SimpleNamespace(digest="d", chunk=c) for c in lay.chunks]}
+    with pytest.raises(DeltaBudgetError):
+        DeltaSender(units, device=torch.device("cpu"), budget_bytes=4096)
+    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
+    u = units["g"][0]
+    region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    s.begin(1)
+    assert s.offer(u, "g", region, area, 8192) is None  # no base: dense only
+    s.commit(1)
+    s.begin(2)
+    region[10] = 7
+    entry = s.offer(u, "g", region, area, 8192)
+    assert entry is not None and entry[:5] == [0, 8192, 1, 1, 1]  # pairs, one word, against version 1
+    s.rollback()  # version 2 failed: version 1 stays the base, byte for byte
+    assert s.history.version(("d", "g", 0)) == 1 and int(s.history.held(("d", "g", 0)).sum()) == 0

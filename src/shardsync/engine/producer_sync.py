@@ -94,7 +94,7 @@ class ProducerSync:
             return self._run()
         delta.begin(self.version)
         try:
-            out = self._run()
+            self._run()
         except BaseException:
             delta.rollback()
             raise
