@@ -73,6 +73,8 @@ class DeltaSender:
         if h.kind == codec.DENSE:
             self.dense += 1
             return None
+        if area.is_cuda:  # the payload's writes must land before the Ready goes out (readers copy on their streams)
+            torch.cuda.current_stream(area.device).synchronize()
         self.offered += 1
         self.payload_bytes += enc.payload.numel()
         assert h.base == base and h.checksum is not None
