@@ -75,7 +75,8 @@ class Processor:
 
 def _transport(name: str) -> tuple[str, dict]:
     """``cuda_ipc``, ``nccl:gloo`` (a backend); suffixes: ``+slots`` (the consumer reads through receive slots even
-    where it could read the producer's ring directly), ``+checksums`` (xxh3 of every chunk, sent and verified)."""
+    where it could read the producer's ring directly), ``+checksums`` (xxh3 of every chunk, sent and verified),
+    ``+delta`` (delta sync on producers and consumers: ``ProducerConfig.delta``, ``Consumer(delta=True)``)."""
     t, _, backend = name.split("+")[0].partition(":")
     return t, ({"backend": backend} if backend else {})
 
@@ -125,7 +126,8 @@ class GpuProducer:
         pcfg = ProducerConfig(rank=self.rank, n_producers=self.n, n_consumers=n_cons, token=TOKEN, transport=t,
                               transport_kwargs=kw, coordinator=coord, device=str(self.dev) if self.dev.type == "cuda"
                               else None, max_chunk_bytes=a.chunk_mb << 20, lookahead=a.lookahead, timeout_s=300,
-                              lease_s=30, verify_checksums=True if "+checksums" in tname else None)
+                              lease_s=30, verify_checksums=True if "+checksums" in tname else None,
+                              delta="+delta" in tname)
         self.prod = Producer(self.source, pcfg)
         return self.prod.address
 
@@ -137,7 +139,8 @@ class GpuProducer:
         c0 = time.process_time()
         r = profiled(self.args, f"producer{self.rank}", self.prod.sync, v)
         return {"cpu_s": time.process_time() - c0,  # host CPU seconds of this process (all its threads)
-                **{k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s")}}
+                **{k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s")},
+                **{k: v for k, v in r.items() if k.startswith("delta_")}}
 
     def teardown(self) -> None:
         self.prod.close()
@@ -193,7 +196,7 @@ class GpuConsumer:
         direct = False if self.full_pull or tname.endswith("+slots") else None  # full pull: apply wants a buffer
         self.cons = Consumer(self.cid, coord, token=TOKEN, record=lambda _m: self.plan, apply=self.apply,
                              transport=t, transport_kwargs=kw, timeout_s=300, recv_slots=self.args.recv_slots,
-                             direct_reads=direct, verify_checksums="+checksums" in tname,
+                             direct_reads=direct, verify_checksums="+checksums" in tname, delta="+delta" in tname,
                              device=str(self.dev) if self.dev.type == "cuda" else None)
         self.cons.init()
         return dict(self.cons.stats, plan_bytes=self.plan.nbytes)
@@ -212,7 +215,8 @@ class GpuConsumer:
         r = profiled(self.args, self.cid, self.cons.sync, v)
         return {"cpu_s": time.process_time() - c0,
                 **{k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",
-                                     "transports", "ready_wait_s", "read_s", "direct_from")}}
+                                     "transports", "ready_wait_s", "read_s", "direct_from")},
+                **{k: v for k, v in r.items() if k.startswith("delta_")}}
 
     def check(self, seed: int) -> dict:
         return check(self.zoo, self.metas, self.proc, seed)

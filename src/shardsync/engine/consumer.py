@@ -38,6 +38,7 @@ from .chunkmac import chunk_key
 from .control import ControlClient
 from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
+from .delta_recv import HeldChunks
 from .puller import Puller, PullRound, SerialPuller, producer_lost
 from .wire import DEFAULT_MAX_FRAME, parse_address
 from ..errors import SessionInUse, SyncError, TransportError
@@ -58,7 +59,7 @@ class Consumer:
                  recv_budget_bytes: int | None = None, parallel_producers: bool = True,
                  verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
                  device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = "",
-                 direct_reads: bool | None = None, require_mac: bool = False):
+                 direct_reads: bool | None = None, require_mac: bool = False, delta: bool = False):
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
@@ -97,6 +98,11 @@ class Consumer:
         if self.lane.cuda and not self.transport.caps.gpu:
             raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
                             f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
+        self.delta = delta
+        """Delta sync (``engine/delta_recv.py``): keep a held copy of this consumer's packed chunks (its plan's
+        packed bytes, on its device: ``stats["delta_held_bytes"]``) and read only the changed words where a producer
+        with ``ProducerConfig.delta`` offers them against the version held; no receive slots, no direct reads."""
+        self.held: HeldChunks | None = None
         self.stats: dict[str, Any] = {}
         self.version = 0
         """The last version this consumer completed."""
@@ -135,6 +141,8 @@ class Consumer:
                     raise SyncError(f"consumer {self.id}: recv_budget_bytes={self.recv_budget_bytes} holds fewer than "
                                     f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
             self._slot_shape = (n, slot)
+            if self.delta:
+                self.held = HeldChunks(self.layouts, device=self.lane.device)
             self.slots: list[torch.Tensor] = []
             """Receive slots, allocated at the first sync that reads some producer through them."""
             routes = m.expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
@@ -222,14 +230,20 @@ class Consumer:
             raise SyncError(f"consumer {self.id}: {why}")
         if self.heartbeat is not None and self.heartbeat.dropped:
             self._rejoin(self.heartbeat.dropped)
+        if self.held is not None:
+            self.held.begin()
         try:
             with hot_path(self.switch_interval_s):
                 stats = self._sync(version)
         except BaseException as e:
+            if self.held is not None:  # what this sync wrote is no delta base
+                self.held.fail()
             self.torn = self.torn or (self._applier is not None and self._applier.applied_any)
             self.abandon(version, f"{type(e).__name__}: {e}", lost_producer=getattr(e, "producer", -1))
             raise
         self.version, self.torn = version, False
+        if self.held is not None:
+            self.held.commit(version)
         return stats
 
     def _sync(self, version: int) -> dict[str, Any]:
@@ -238,8 +252,8 @@ class Consumer:
             session = self.session
         view = self._begin(version, session)
         self._connect(view.producers)
-        direct = self._direct()
-        if not self.slots and any(p not in direct for per in self.routes.values() for p in per):
+        direct = self._direct() if self.held is None else {}
+        if self.held is None and not self.slots and any(p not in direct for per in self.routes.values() for p in per):
             n, size = self._slot_shape
             self.slots = [torch.empty(size, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
         rnd = PullRound(self, version, session, direct)
@@ -268,7 +282,8 @@ class Consumer:
                           recv_bytes=sum(x.numel() for x in self.slots), pulled_from=sorted(rnd.serving),
                           direct_from=sorted(direct),
                           transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
-                                      for p in rnd.serving}, ready_wait_s=rnd.ready_wait_s, read_s=rnd.read_s)
+                                      for p in rnd.serving}, ready_wait_s=rnd.ready_wait_s, read_s=rnd.read_s,
+                          **(self.held.stats() if self.held is not None else {}))
         return dict(self.stats)
 
     def _direct(self) -> dict[int, Any]:

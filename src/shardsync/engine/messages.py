@@ -232,6 +232,10 @@ class Ready(_M):
     tags: list[Tag] = []
     """With ``ProducerConfig.mac``: each chunk's keyed tag, in the order of ``chunks`` (the consumer checks there
     are as many); empty without."""
+    deltas: list[list[int]] = []
+    """With ``ProducerConfig.delta``: [[chunk index, offset, kind (1 pairs, 2 bitmap), count, base version, xxh3-64
+    of the new dense bytes], ...] for the chunks also offered as a delta (``engine/delta_send.py``); at most one per
+    announced chunk, each checked by the consumer before anything is read (``engine/delta_recv.py``)."""
 
 
 class Released(_M):

@@ -39,6 +39,7 @@ from .lanes import Lane, hot_path
 from .producer_sync import ProducerSync, finish_lockstep
 from .snapshot import PendingSync, Snapshot
 from .chunkmac import chunk_key
+from .delta_send import DeltaSender
 from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, parse_address
@@ -113,6 +114,14 @@ class ProducerConfig:
     gather_budget_bytes: int | None = None
     """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
     the source's largest gather group (plus what must be carried across groups) does not fit."""
+    delta: bool = False
+    """Delta sync (``engine/delta_send.py``, ``docs/delta.md``): each chunk is also offered as the words that changed
+    since this rank last served it, beside its dense bytes; consumers with ``delta=True`` holding that version read
+    only the changes. Costs, on the ring's device: a delta area per ring slot (the ring doubles: ``ring_bytes``) and
+    the history of served chunks (``delta_history_bytes``), plus an encode pass per chunk and its xxh3 checksum."""
+    delta_budget_bytes: int | None = None
+    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: twice
+    the chunks. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
 
 
 class Producer(ServedVersions):
@@ -248,6 +257,12 @@ class Producer(ServedVersions):
                             f"{cfg.gather_budget_bytes}")
         self.order = self.schedule.order
         self.n_slots = cfg.lookahead + 1
+        self.delta = None
+        if cfg.delta:  # a delta area as large as the dense part beside it in every slot
+            self.delta = DeltaSender(self.units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes)
+            self.dense_slot, slot = slot, 2 * slot
+        else:
+            self.dense_slot = slot
         if self.ring is None or slot > self.slot_bytes:
             if self.ring is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor
                 if not self._own_transport:
@@ -261,7 +276,8 @@ class Producer(ServedVersions):
         self.epoch = asg.epoch
         self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
                       "ring_bytes": self.ring.numel(), "gather_batches": len(self.schedule.batches),
-                      "planned_peak_gathered_bytes": self.schedule.peak_bytes}
+                      "planned_peak_gathered_bytes": self.schedule.peak_bytes,
+                      **(self.delta.stats() if self.delta is not None else {})}
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":

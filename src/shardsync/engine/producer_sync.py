@@ -87,6 +87,22 @@ class ProducerSync:
         self.pub = Publisher(producer.lane, timeout_s=producer.cfg.timeout_s, who=f"producer {producer.cfg.rank}")
 
     def run(self) -> dict[str, Any]:
+        """Serve the version; with delta sync its history commits when the version completed and rolls back when
+        it failed (``delta_send.py``), after the publisher stopped encoding."""
+        delta = self.pr.delta
+        if delta is None:
+            return self._run()
+        delta.begin(self.version)
+        try:
+            self._run()
+        except BaseException:
+            delta.rollback()
+            raise
+        delta.commit(self.version)
+        self.pr.stats.update(delta.stats())
+        return dict(self.pr.stats)
+
+    def _run(self) -> dict[str, Any]:
         pr, st, version = self.pr, self.st, self.version
         t0 = time.perf_counter()
         try:
@@ -201,6 +217,8 @@ class ProducerSync:
         with pr.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
             for u in units:
                 c = u.chunk
+                if pr.delta is not None:  # alignment gaps hold a previous group's bytes: they would read as changes
+                    pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes].zero_()
                 u.packer.pack(full, pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
         for u in units:
             sent += u.chunk.nbytes * len(live.get(u.digest, ()))
@@ -217,6 +235,11 @@ class ProducerSync:
                 r = ready[u.digest]
                 r.chunks.append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
                                  if pr.checksums else -1])
+                if pr.delta is not None:
+                    at = base + pr.dense_slot + u.slot_offset
+                    entry = pr.delta.offer(u, g, region, pr.ring[at: at + c.nbytes], at)
+                    if entry is not None:
+                        r.deltas.append(entry)
                 if pr.chunk_key is not None:
                     r.tags.append(chunk_tag(pr.chunk_key, producer=pr.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))

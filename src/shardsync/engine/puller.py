@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import messages as m
 from .recvslots import RecvSlots
 from .chunkmac import check_chunk
+from .delta_recv import read_held
 from .wire import chunk_checksum
 from ..errors import ChecksumError, ChunkMacError, ProducerLost, SyncError, TransportError
 from ..plan.pack import ChunkParts
@@ -90,6 +91,8 @@ class PullRound:
         """What ``apply`` gets for a landed group: its receive slot, or :class:`ChunkParts` when some of its
         chunks were read directly (the others are in the slot, at their layout offsets)."""
         c = self.c
+        if c.held is not None:  # delta sync: every chunk is in the held copy
+            return c.held.parts(group)
         with self._lock:
             direct = self.parts.pop(group, None)
         slot = c.slots[self.slots.slot[group]] if self.slots is not None and group in self.slots.slot else None
@@ -252,6 +255,8 @@ class Puller(threading.Thread):
         where they lie in its mapped buffer); returns the bytes."""
         c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
         group, lay = ready.group, c.layouts[ready.group]
+        if c.held is not None:  # delta sync: into the held copy, a delta where one applies (``delta_recv.py``)
+            return read_held(self, ready)
         if p in rnd.direct:
             return self.read_directly(ready)
         assert rnd.slots is not None

@@ -34,14 +34,16 @@ class LocalCluster:
     """``mac=True``: the producers tag chunks and MAC control frames (``ProducerConfig.mac``), the consumers require
     it. ``external_consumers=N`` starts only the producers (and a coordinator expecting N consumers, e.g.
     vLLM workers started by the caller): call :meth:`wait_ready` once those have initialised. ``baseline=True``:
-    the processes also join the broadcast baseline's world (``sync(v, baseline=True)``)."""
+    the processes also join the broadcast baseline's world (``sync(v, baseline=True)``). ``delta=True``: delta sync
+    on every producer and consumer (``ProducerConfig.delta``, ``Consumer(delta=True)``); with a ``spec`` carrying
+    ``changed`` (a fraction) each version changes only that fraction of the elements (``trainers.sparse_steps``)."""
 
     def __init__(self, cfg: ZooConfig | None, *, producers: int = 2, replicas: int = 2, tp: int = 2,
                  transport: str = "tcp", lookahead: int = 1, max_chunk_bytes: int = 1 << 20, timeout_s: float = 60.0,
                  spec: dict | None = None, external_consumers: int = 0, baseline: bool = False,
                  lease_s: float = 10.0, min_consumers: int | None = None, join_grace_s: float = 30.0,
                  verify_checksums: bool | None = None, producer_extra: dict | None = None,
-                 consumer_extra: dict | None = None, mac: bool = False):
+                 consumer_extra: dict | None = None, mac: bool = False, delta: bool = False):
         self.cfg, self.n_p, self.replicas, self.tp = cfg, producers, replicas, tp
         self.timeout_s, self.transport = timeout_s, transport
         self.token = secrets.token_hex(8)
@@ -52,10 +54,11 @@ class LocalCluster:
         self.pcfg = dict(n_consumers=n_cons, token=self.token, transport=transport, lookahead=lookahead,
                          max_chunk_bytes=max_chunk_bytes, timeout_s=timeout_s, lease_s=lease_s,
                          min_consumers=min_consumers, join_grace_s=join_grace_s, verify_checksums=verify_checksums,
-                         mac=mac, **(producer_extra or {}))
+                         mac=mac, **({"delta": True} if delta else {}), **(producer_extra or {}))
         self.spec = spec or {"kind": "zoo", "cfg": self.c}
         self.ccfg = dict(transport=transport, timeout_s=timeout_s, verify_checksums=bool(verify_checksums),
-                         require_mac=mac, check_spec=self.spec, **(consumer_extra or {}))
+                         require_mac=mac, check_spec=self.spec, **({"delta": True} if delta else {}),
+                         **(consumer_extra or {}))
         self.bl = None
         if baseline:
             self.bl = {"port": free_port(), "world": producers + n_cons, "producers": producers}

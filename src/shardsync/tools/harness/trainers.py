@@ -50,11 +50,33 @@ def weights_at(spec: dict):
         from ...zoo import hf_state_dict
 
         zc = ZooConfig(**spec["cfg"])
+        if spec.get("changed"):  # delta sync tests: version v changes a fraction of version 0's elements
+            return sparse_steps(hf_state_dict(zc, seed=0), float(spec["changed"]))
         return lambda v: hf_state_dict(zc, seed=v)
     from ...integrations.vllm.testing.checkpoints import load_checkpoint, perturb
 
     base = load_checkpoint(spec["path"])
     return lambda v: perturb(base, v)
+
+
+def sparse_steps(base: dict, fraction: float):
+    """``version -> state dict``: version 0 is ``base``; version v > 0 changes about ``fraction`` of each tensor's
+    elements (chosen by seed v, the same in every process), so two versions differ in about twice that."""
+    import torch
+
+    def at(v: int) -> dict:
+        if v == 0:
+            return base
+        out = {}
+        for i, (k, t) in enumerate(base.items()):
+            g = torch.Generator().manual_seed(v * 1_000_003 + i)
+            mask = torch.rand(t.shape, generator=g) < fraction
+            new = t.clone()
+            new[mask] = (t[mask].float() * 1.5 + 0.01 * v).to(t.dtype)
+            out[k] = new
+        return out
+
+    return at
 
 
 class VersionedSource:
