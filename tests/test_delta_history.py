@@ -179,3 +179,23 @@ def test_the_delta_package_stays_in_its_wing() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 ["." * node.level + (node.module or "")] if isinstance(node, ast.ImportFrom) else []
             assert not [n for n in names if n.startswith(forbidden)], (f.name, names)
+
+
+@pytest.mark.parametrize("frac", [0.2, 0.5])
+def test_rollback_keeps_the_base_when_many_words_changed(frac: float) -> None:
+    """Where more than a sixth of the words changed, the index journal would outgrow the chunk: the old bytes are
+    journaled instead, so a journal the chunk's size always restores it (the base is not dropped)."""
+    g = torch.Generator().manual_seed(5)
+    old = torch.randint(0, 256, ((1 << 16) + 6,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    pick = torch.rand(new.numel() // 2, generator=g) < frac
+    new.view(torch.int16)[pick] += 1
+    key = ("d", "g", 0)
+    h = DeltaHistory({key: new.numel()}, budget_bytes=2 * new.numel() + 64)
+    h.begin(1)
+    h.encode(key, old)
+    h.commit(1)
+    h.begin(2)
+    assert h.encode(key, new).header.kind == codec.BITMAP
+    h.rollback()
+    assert torch.equal(h.held(key), old) and h.version(key) == 1

@@ -160,6 +160,8 @@ class DeltaHistory:
     def _log(self, key: Key, dst: torch.Tensor, idx: torch.Tensor | None) -> None:
         """Journal what the update of ``key`` at ``idx`` (all of it when None) is about to overwrite."""
         w = codec.word_size(dst.numel())
+        if idx is not None and (4 + w) * idx.numel() >= dst.numel():
+            idx = None  # the old bytes themselves are the smaller undo
         size = dst.numel() if idx is None else (4 + w) * idx.numel()
         start = _align(self._jpos)
         if self._version[key] is None or start + size > self._journal.numel():
