@@ -17,6 +17,7 @@ import torch
 from shardsync.engine.consumer import Consumer
 from shardsync.engine.producer import Producer, ProducerConfig
 from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape
+from shardsync.plan import graphs
 from shardsync.plan.groups import weight_group
 from shardsync.plan.pack import _packed_view, layout_group
 from shardsync.plan.validate import same_bytes
@@ -27,6 +28,7 @@ from shardsync.tools.harness.trainers import pp_share
 from shardsync.types import ParamMeta
 from shardsync.zoo import ZooConfig, hf_shapes
 
+graphs.ENABLED = os.environ.get("SHARDSYNC_CUDA_GRAPHS", "1") != "0"  # the benchmark's switch (graphs off: "0")
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
 FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "w13_weight", "w2_weight")
 TOKEN = "bench"

@@ -7,7 +7,8 @@ constant fills). While the views are cached (``pack._Stable``: the same live ten
 current stream, in thread-local capture mode so other threads' CUDA calls go on), and from then on replays the
 graph: the host work of a chunk is a few microseconds whatever its tensor count. A capture that fails (an op
 CUDA graphs cannot hold) turns graphs off for that program and runs it directly. Off on CPU, on the legacy default
-stream (not capturable), and when ``SHARDSYNC_CUDA_GRAPHS=0``::
+stream (not capturable), and when ``shardsync.plan.graphs.ENABLED = False`` (the benchmarks set it from
+``SHARDSYNC_CUDA_GRAPHS=0``; the library itself reads no environment variable)::
 
     rp = Replay()
     rp.run(lambda: torch._foreach_copy_(dsts, srcs), device=buf.device)   # direct, then captured, then replayed
@@ -16,18 +17,16 @@ stream (not capturable), and when ``SHARDSYNC_CUDA_GRAPHS=0``::
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
 
-__all__ = ["Replay", "graphs_enabled"]
+__all__ = ["Replay", "ENABLED"]
 
 log = logging.getLogger("shardsync.graphs")
 
-
-def graphs_enabled() -> bool:
-    return os.environ.get("SHARDSYNC_CUDA_GRAPHS", "1") != "0"
+ENABLED = True
+"""Capture and replay copy programs on GPUs (False: every program runs directly, as before graphs)."""
 
 
 class Replay:
@@ -46,7 +45,7 @@ class Replay:
         if self.graph is not None:
             self.graph.replay()
             return
-        if self.calls < 2 or self.failed or device.type != "cuda" or not graphs_enabled():
+        if self.calls < 2 or self.failed or device.type != "cuda" or not ENABLED:
             launch()
             return
         stream = torch.cuda.current_stream(device)
