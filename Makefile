@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: venv
-	$(PY) -m shardsync.cli demo --kill-engine-at 8
+	$(PY) -m shardsync.cli demo --kill-engine-at 8 $(ARGS)
 
 test: venv venv26
 	$(PY) -m pytest -q

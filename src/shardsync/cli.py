@@ -4,6 +4,7 @@
     shardsync verify MODEL_DIR --tp 2    # will my model work? synced engine vs a fresh engine, bytes compared
     shardsync bench                      # shardsync vs broadcast baseline vs link SoL, this machine
     shardsync bench --mode all           # Megatron trainer export v1..v4 (gather everywhere .. PP-parallel)
+    shardsync bench --delta --json       # an RL-rate trainer into vLLM: delta vs dense sync, bytes and seconds
     shardsync simulate --preset kimi-k2-48n   # cluster-scale SoL and predicted sync time
 """
 
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--kill-engine-at", type=int, default=None, metavar="STEP",
                    help="kill one engine after that step's rollouts; it is restarted and rejoins at the next sync")
     d.add_argument("--ray", action="store_true", help="trainer ranks and engines as Ray actors (local Ray instance)")
+    d.add_argument("--delta", action="store_true",
+                   help="delta sync: only the changed words cross the wire (bytes read per engine are reported)")
     d.add_argument("--out", default="shardsync-demo", help="where report.json and demo.png go")
     d.add_argument("--sync-only", action="store_true",
                    help="the earlier demo: producers sync perturbed checkpoints into vLLM replicas (no training)")
@@ -70,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="zoo: loader-zoo consumer processes (vLLM loader semantics); vllm: real vLLM replicas "
                         "(tiny checkpoint) against full tensors through update_weights")
     b.add_argument("--producers", type=int, default=2)
-    b.add_argument("--replicas", type=int, default=2)
-    b.add_argument("--tp", type=int, default=2)
+    b.add_argument("--replicas", type=int, default=None, help="default 2 (--delta: 1)")
+    b.add_argument("--tp", type=int, default=None, help="default 2 (--delta: 1)")
     b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     b.add_argument("--syncs", type=int, default=3)
     b.add_argument("--mode", choices=["v1", "v2", "v3", "v4", "all"], default=None,
@@ -81,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--ray", action="store_true",
                    help="trainer and engines as Ray actors on a local Ray instance, per transport: tcp, nixl and "
                         "Ray Direct Transport (rdt) side by side")
+    b.add_argument("--delta", action="store_true",
+                   help="the reference RL-rate trainer (fp32 master, AdamW, bf16 served) into real vLLM engines: "
+                        "delta sync against dense sync, every sync checked against a fresh load")
+    b.add_argument("--params", type=float, default=None, help="--delta: policy size (e.g. 300e6; default tiny)")
+    b.add_argument("--lr", type=float, default=1e-6, help="--delta: the trainer's learning rate")
     b.add_argument("--json", action="store_true")
     c = sub.add_parser("chaos", help="random real faults (kill -9, SIGSTOP, producer death, forged plans, bad frames) "
                                      "while syncs go on; every sync checked byte for byte")

@@ -322,6 +322,12 @@ def run_ray_bench(*, model: str = "qwen3-moe-bench", replicas: int = 2, tp: int 
 
 def run(args) -> int:
     """``shardsync bench``: 0 when every sync of every path was exact."""
+    if args.delta:
+        from .bench_delta import run_bench_delta
+
+        return 0 if run_bench_delta(params=args.params, syncs=args.syncs, lr=args.lr, replicas=args.replicas or 1,
+                                    tp=args.tp or 1, transport=args.transport, as_json=args.json)["exact"] else 1
+    args.replicas, args.tp = args.replicas or 2, args.tp or 2
     if args.ray:
         return 0 if run_ray_bench(model=args.model, replicas=args.replicas, tp=args.tp, syncs=args.syncs,
                                   as_json=args.json)["exact"] else 1

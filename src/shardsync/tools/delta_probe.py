@@ -37,7 +37,7 @@ from ..plan.pack import GroupPacker, layout_group
 from ..plan.record import record_plan
 from ..zoo import ZooConfig, ZooModel, hf_shapes
 
-__all__ = ["config_for", "run_probe", "main"]
+__all__ = ["config_for", "RateTrainer", "changed_fraction", "run_probe", "main"]
 
 
 def config_for(params: float | None) -> ZooConfig:
@@ -107,6 +107,42 @@ def toy_batch(cfg: ZooConfig, step: int, batch: int, seq: int, seed: int) -> tor
     return (start + stride * torch.arange(seq)) % cfg.vocab
 
 
+class RateTrainer:
+    """The reference trainer: fp32 master weights (:func:`init_master`), AdamW at ``lr`` (weight decay 0.01) on
+    :func:`toy_batch` sequences, bf16 served. Deterministic for a seed (CPU)."""
+
+    def __init__(self, cfg: ZooConfig, *, lr: float = 1e-6, seed: int = 0, batch: int = 4, seq: int = 32):
+        torch.manual_seed(seed)
+        self.cfg, self.seed, self.batch, self.seq = cfg, seed, batch, seq
+        self.master = init_master(cfg, seed)
+        self.params = sum(t.numel() for t in self.master.values())
+        self.opt = torch.optim.AdamW(list(self.master.values()), lr=lr, weight_decay=0.01)
+        self.steps = 0
+
+    def step(self) -> float:
+        """One optimizer step; its loss."""
+        self.steps += 1
+        cfg = self.cfg
+        tokens = toy_batch(cfg, self.steps, self.batch, self.seq, self.seed)
+        logits = forward(self.master, cfg, tokens[:, :-1])
+        lo = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        lo.backward()
+        self.opt.step()
+        return float(lo.detach())
+
+    def served(self) -> dict[str, torch.Tensor]:
+        """The bf16 weights an engine serves now (fresh tensors)."""
+        with torch.no_grad():
+            return {n: t.detach().to(torch.bfloat16) for n, t in self.master.items()}
+
+
+def changed_fraction(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor]) -> float:
+    """Fraction of the bf16 elements whose bits differ."""
+    diff = sum(int((new[n].view(torch.int16) != old[n].view(torch.int16)).sum()) for n in new)
+    return diff / sum(t.numel() for t in new.values())
+
+
 class Consumers:
     """The packed side: each TP rank's plan (real recorder, zoo loaders on the meta device), its chunk layouts and
     packers, one group buffer each (allocated once, zeroed: alignment gaps hold no stale bytes)."""
@@ -142,11 +178,9 @@ class Consumers:
 def run_probe(*, params: float | None = None, steps: int = 6, lr: float = 1e-6, tp: int = 1, batch: int = 4,
               seq: int = 32, chunk_mib: float = 16, seed: int = 0, as_json: bool = False) -> dict[str, Any]:
     t_all = time.perf_counter()
-    torch.manual_seed(seed)
     cfg = config_for(params)
-    master = init_master(cfg, seed)
-    n_params = sum(t.numel() for t in master.values())
-    opt = torch.optim.AdamW(list(master.values()), lr=lr, weight_decay=0.01)
+    trainer = RateTrainer(cfg, lr=lr, seed=seed, batch=batch, seq=seq)
+    n_params = trainer.params
     side = Consumers(cfg, tp, int(chunk_mib * (1 << 20)))
     sizes = {k: c.numel() for k, c in side.chunks()}
     need = sum((n + 63) // 64 * 64 for n in sizes.values())
@@ -158,21 +192,9 @@ def run_probe(*, params: float | None = None, steps: int = 6, lr: float = 1e-6, 
     prev: dict[str, torch.Tensor] | None = None
     exact = True
     for step in range(steps + 1):  # version 0: the initial weights (a dense sync); then one per optimizer step
-        loss = None
-        if step:
-            tokens = toy_batch(cfg, step, batch, seq, seed)
-            logits = forward(master, cfg, tokens[:, :-1])
-            lo = F.cross_entropy(logits.reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            lo.backward()
-            opt.step()
-            loss = float(lo.detach())
-        with torch.no_grad():
-            served = {n: t.detach().to(torch.bfloat16) for n, t in master.items()}
-        changed = None
-        if prev is not None:
-            diff = sum(int((served[n].view(torch.int16) != prev[n].view(torch.int16)).sum()) for n in served)
-            changed = diff / n_params
+        loss = trainer.step() if step else None
+        served = trainer.served()
+        changed = None if prev is None else changed_fraction(served, prev)
         prev = served
         side.pack(served)
         enc_s = app_s = 0.0

@@ -148,7 +148,8 @@ def run(args) -> int:
     if not args.sync_only:
         rep = run_rl_demo(DemoConfig(steps=args.steps, prompts=args.prompts, samples=args.samples,
                                      replicas=args.replicas, lr=args.lr, seed=args.seed,
-                                     kill_engine_at=args.kill_engine_at, use_ray=args.ray, out=args.out),
+                                     kill_engine_at=args.kill_engine_at, use_ray=args.ray, out=args.out,
+                                     delta=args.delta),
                           as_json=args.json)
         return 0 if rep["all_exact"] and (args.kill_engine_at is None or rep["rejoined"]) else 1
     if args.consumers == "zoo":

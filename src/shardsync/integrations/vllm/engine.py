@@ -42,13 +42,14 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from ...errors import PlanError, SyncError
+from ...errors import SyncError
 from ...types import metadata_digest
 from .compat import check_supported
 from .plugin import require_plugin
 from .fresh_load import fresh_check
 from .guard import HeldVersions
-from .layerwise import LayerApplier, check_processing, record_vllm_plan, validate_plan, vllm_context
+from .layerwise import (LayerApplier, check_processing, record_vllm_plan, refuse_rebind_under_cuda_graphs,
+                        validate_plan, vllm_context)
 from .processor import FreshProcessor
 
 log = logging.getLogger("shardsync.vllm")
@@ -83,6 +84,9 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     """Demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
     require_mac: bool = False
     """Demand keyed chunk tags and MACed control frames (the producers' ``mac``; ``Consumer.require_mac``)."""
+    delta: bool = False
+    """Delta sync (``Consumer.delta``, docs/delta.md): keep a held copy of this worker's packed chunks and read only
+    the words that changed where the producers (``ProducerConfig.delta``) offer them against the version held."""
     recv_budget_bytes: int | None = None
     """The most bytes this worker's receive buffers may take (at least two of its largest groups)."""
     inspect_to: str = ""
@@ -118,18 +122,6 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def _refuse_rebind_under_cuda_graphs(vllm_config, kinds: dict, plan, validated: bool, rank: int) -> None:
-    """``rebind`` gives a layer new storage: captured CUDA graphs would keep reading the old one."""
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    if mode is None or getattr(mode, "name", str(mode)) == "NONE":
-        return
-    rebind = sorted(k for k, r in kinds.items() if r.mode == "rebind")
-    if rebind or (not validated and plan.dests):
-        raise PlanError(f"rank {rank}: CUDA graphs are captured ({mode}) but layer kinds "
-                        f"{rebind or ['(all: validate=False)']} can only be synced by rebinding their tensors, which "
-                        "captured graphs would not see: start the engine with enforce_eager=True, or keep validate on")
-
-
 def _recv_device(info: ShardsyncInitInfo, worker_device: Any) -> str | None:
     if info.recv_device == "cpu":
         return None
@@ -163,8 +155,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.plan_dir = ""
         self._applied: set[str] = set()
         self._op = "sync"
-        self._bytes = 0
-        self._t0 = 0.0
+        self._bytes, self._wire, self._t0 = 0, {}, 0.0
         self._started = self._received = False
         self._peer_failed = False
 
@@ -192,7 +183,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             # before the plan is registered: a refusal here fails the group's init (the producers learn the reason)
             found["processing"] = check_processing(self.model, self.vllm_config, plan, rank=self.rank,
                                                    validate=init_info.validate)
-            _refuse_rebind_under_cuda_graphs(self.vllm_config, found["processing"][1], plan, init_info.validate,
+            refuse_rebind_under_cuda_graphs(self.vllm_config, found["processing"][1], plan, init_info.validate,
                                              self.rank)
             return plan
 
@@ -224,7 +215,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                  apply=self._apply, transport=init_info.transport,
                                  transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
                                  verify_checksums=init_info.verify_checksums, require_mac=init_info.require_mac,
-                                 recv_budget_bytes=init_info.recv_budget_bytes,
+                                 delta=init_info.delta, recv_budget_bytes=init_info.recv_budget_bytes,
                                  device=_recv_device(init_info, self.device))
         try:
             return self.consumer.init()
@@ -250,7 +241,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._started, self._received = True, False
         self._applied.clear()
         self.held.begin()
-        self._bytes = 0
+        self._bytes, self._wire = 0, {}
         self._op = "sync"
         self._t0 = time.perf_counter()
 
@@ -285,7 +276,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise
         self.held.pending = info.version
         try:
-            self.consumer.sync(info.version)
+            pulled = self.consumer.sync(info.version)
+            self._wire = {k: v for k, v in pulled.items() if k == "bytes_received" or k.startswith("delta_")}
         except BaseException:
             self._peer_failed = True  # its producers may not answer: shutdown says no goodbye
             raise
@@ -316,7 +308,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.held.end(failed=f"finished without groups {missing[:5]} ({len(missing)} missing)" if missing else "")
         self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
                             "processed_modules": len(self.processor.processed),
-                            "rebound_modules": len(self.processor.rebound)})
+                            "rebound_modules": len(self.processor.rebound),
+                            # what crossed the wire (with delta sync: payloads + dense reads), and the delta counters
+                            "wire": self._wire})
         if missing:
             raise SyncError(f"rank {self.rank}: sync of version {self.held.pending} finished without groups "
                             f"{missing[:5]} ({len(missing)} missing): " + (

@@ -35,7 +35,8 @@ from .checkpoint_shapes import engine_checkpoint, refuse_foreign_shapes
 from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
 from .processor import find_aliases, restore_live, validate_processing
 
-__all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context"]
+__all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context",
+           "refuse_rebind_under_cuda_graphs"]
 
 
 def _reload():
@@ -311,3 +312,15 @@ class LayerApplier:
             info = layerwise.LAYERWISE_INFO[layer]
             if info.can_load():
                 layerwise._layerwise_process(layer, info)
+
+
+def refuse_rebind_under_cuda_graphs(vllm_config, kinds: dict, plan, validated: bool, rank: int) -> None:
+    """``rebind`` gives a layer new storage: captured CUDA graphs would keep reading the old one."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return
+    rebind = sorted(k for k, r in kinds.items() if r.mode == "rebind")
+    if rebind or (not validated and plan.dests):
+        raise PlanError(f"rank {rank}: CUDA graphs are captured ({mode}) but layer kinds "
+                        f"{rebind or ['(all: validate=False)']} can only be synced by rebinding their tensors, which "
+                        "captured graphs would not see: start the engine with enforce_eager=True, or keep validate on")

@@ -74,6 +74,11 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     mac: bool = False
     """Keyed chunk tags and per-frame MACs for untrusted networks (``ProducerConfig.mac``; they supersede the
     checksums). True also makes every worker require them (``require_mac``)."""
+    delta: bool = False
+    """Delta sync (``ProducerConfig.delta``, docs/delta.md): every trainer rank keeps the chunks it last served and
+    offers the words that changed; True also makes every worker keep a held copy and read the changes."""
+    delta_budget_bytes: int | None = None
+    """Each trainer rank's delta history budget (``ProducerConfig.delta_budget_bytes``)."""
     recv_budget_bytes: int | None = None
     """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
@@ -143,7 +148,8 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
                              init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
                              gather_budget_bytes=init_info.gather_budget_bytes,
                              verify_checksums=init_info.verify_checksums, device=init_info.device,
-                             mac=init_info.mac)
+                             mac=init_info.mac, delta=init_info.delta,
+                             delta_budget_bytes=init_info.delta_budget_bytes)
         token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
         # rank 0 must be listening before the others dial it: make the server first, then share its address
         producer = None
@@ -167,7 +173,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
                    "verify_checksums": bool(init_info.verify_checksums), "require_mac": bool(init_info.mac),
-                   "recv_budget_bytes": init_info.recv_budget_bytes}
+                   "delta": bool(init_info.delta), "recv_budget_bytes": init_info.recv_budget_bytes}
         # an engine-side failure (a worker that cannot start the backend) ends the producers' init at once
         engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
                      what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)

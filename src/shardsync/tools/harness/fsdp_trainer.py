@@ -227,7 +227,7 @@ class PolicyRank:
         self.checkpoint0 = self.save(0)
 
     def start_producer(self, token: str, *, n_consumers: int, coordinator: Any = None, group: str | None = None,
-                       lease_s: float = 3.0, timeout_s: float = 120.0) -> Any:
+                       lease_s: float = 3.0, timeout_s: float = 120.0, delta: bool = False) -> Any:
         """This rank's producer (rank 0: with the coordinator, whose address is returned). Inside a Ray actor pass
         ``group``: rank 0 publishes the address and token under that name, the others look them up."""
         if group is not None:  # a Ray actor: rank 0 publishes the group, the others look it up
@@ -235,7 +235,7 @@ class PolicyRank:
         else:
             cfg = dict(token=token, coordinator=coordinator)
         self.producer = serve(self.trainer.source(), rank=self.rank, n_producers=self.world, n_consumers=n_consumers,
-                              lease_s=lease_s, timeout_s=timeout_s, init_timeout_s=600, **cfg)
+                              lease_s=lease_s, timeout_s=timeout_s, init_timeout_s=600, delta=delta, **cfg)
         return self.producer.address
 
     def init_producer(self) -> None:

@@ -60,14 +60,16 @@ class VllmEngine:
 
     def __init__(self, model_dir: str, *, name: str = "r0", tp: int = 1, coordinator: Any = None, token: str = "",
                  transport: str = "tcp", group: str | None = None, plan_dir: str | None = None,
-                 timeout_s: float = 120.0, validate: bool = True, seed: int | None = None, connect: bool = True):
+                 timeout_s: float = 120.0, validate: bool = True, seed: int | None = None, connect: bool = True,
+                 delta: bool = False):
         cpu_env(tp)  # before vLLM starts
         from vllm import LLM
 
         self.model_dir, self.name, self.tp = os.path.abspath(model_dir), name, tp
         self.plan_dir = plan_dir or tempfile.mkdtemp(prefix=f"shardsync-{name}-")
         self.llm = LLM(**engine_kwargs(model_dir, tp, False, **({} if seed is None else {"seed": seed})))
-        info = {"replica": name, "plan_dir": self.plan_dir, "timeout_s": timeout_s, "validate": validate}
+        info = {"replica": name, "plan_dir": self.plan_dir, "timeout_s": timeout_s, "validate": validate,
+                **({"delta": True} if delta else {})}
         if group is not None:  # a Ray actor: the group's address, token and transport come from Ray's registry
             from ...integrations.ray import engine_init_info
 
@@ -97,7 +99,8 @@ class VllmEngine:
         except Exception as e:
             err = f"{type(e).__name__}: {e}"[:1500]
         return {"ok": err is None, "version": version, "weight_version": self.weight_version(), "error": err,
-                "seconds": time.perf_counter() - t0, "bytes_received": self.bytes_received()}
+                "seconds": time.perf_counter() - t0, "bytes_received": self.bytes_received(),
+                "wire_bytes": self.wire_bytes()}
 
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
@@ -115,6 +118,11 @@ class VllmEngine:
 
     def bytes_received(self) -> int | None:
         got = [s.get("bytes_received") for s in self.status()]
+        return None if None in got else sum(got)
+
+    def wire_bytes(self) -> int | None:
+        """Bytes its workers read in the last sync (with delta sync: payloads plus dense reads)."""
+        got = [s.get("wire", {}).get("bytes_received") for s in self.status()]
         return None if None in got else sum(got)
 
     # ------------------------------------------------------------------ serving
@@ -240,9 +248,10 @@ class VllmReplicas:
     """
 
     def __init__(self, model_dir: str, *, replicas: int, tp: int, coordinator: list[Any], token: str,
-                 transport: str = "tcp", timeout_s: float = 120.0, validate: bool = True):
+                 transport: str = "tcp", timeout_s: float = 120.0, validate: bool = True, delta: bool = False):
         self.engines = [VllmEngine(model_dir, name=f"r{i}", tp=tp, coordinator=coordinator, token=token,
-                                   transport=transport, timeout_s=timeout_s, validate=validate, connect=False)
+                                   transport=transport, timeout_s=timeout_s, validate=validate, connect=False,
+                                   delta=delta)
                         for i in range(replicas)]
 
     def init(self) -> None:

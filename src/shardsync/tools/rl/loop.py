@@ -48,6 +48,8 @@ class DemoConfig:
     timeout_s: float = 180.0
     out: str = "shardsync-demo"
     use_ray: bool = False
+    delta: bool = False
+    """Delta sync: trainer ranks offer the words that changed, engines keep a held copy (docs/delta.md)."""
     task: Task = field(default_factory=Task)
 
 
@@ -81,7 +83,8 @@ class Loop:
         for r in self.ranks:
             r.ready(600)
         self.ckpt0 = os.path.join(self.work, "ckpt-v0")
-        kw = dict(n_consumers=cfg.replicas, lease_s=cfg.lease_s, timeout_s=cfg.timeout_s, group=self.group)
+        kw = dict(n_consumers=cfg.replicas, lease_s=cfg.lease_s, timeout_s=cfg.timeout_s, group=self.group,
+                  delta=cfg.delta)
         self.coordinator = self.ranks[0].call("start_producer", self.token, **kw).result(60)
         for r in self.ranks[1:]:
             r.call("start_producer", self.token, coordinator=self.coordinator, **kw).result(60)
@@ -107,7 +110,8 @@ class Loop:
                                                                             token=self.token)
         self.booting[name] = self.host(name, ENGINE, dict(model_dir=self.ckpt0, name=name, seed=0,
                                                           plan_dir=os.path.join(self.work, f"engine-{name}"),
-                                                          timeout_s=self.cfg.timeout_s, **where))
+                                                          timeout_s=self.cfg.timeout_s, delta=self.cfg.delta,
+                                                          **where))
 
     def _admit(self, wait_s: float = 0.0) -> list[str]:
         """Engines whose start-up finished join the live set (they registered with the coordinator)."""
@@ -202,6 +206,7 @@ def run_step(loop: Loop, cfg: DemoConfig, step: int, rng: random.Random, rejoini
     rec["sync_errors"] = {n: (v.get("error") if isinstance(v, dict) else str(v)[:300]) for n, v in eng.items()
                           if not (isinstance(v, dict) and v.get("error") is None)}
     rec["bytes_per_engine"] = {n: v.get("bytes_received") for n, v in eng.items() if isinstance(v, dict)}
+    rec["wire_bytes_per_engine"] = {n: v.get("wire_bytes") for n, v in eng.items() if isinstance(v, dict)}
     rec["dropped"] = sorted({c for p in prod.values() for c in (p.get("dropped") or {})})
     rec["members"] = sorted({c for p in prod.values() for c in (p.get("members") or ())})
     saved, checks = loop.check(step)
@@ -226,6 +231,7 @@ def summarize(cfg: DemoConfig, steps: list[dict], seconds: float) -> dict[str, A
     return {"steps": len(steps), "reward_first": steps[0]["reward"] if steps else None,
             "reward_last": steps[-1]["reward"] if steps else None,
             "syncs": [{"step": s["step"], "seconds": round(s["sync_s"], 3), "bytes_per_engine": s["bytes_per_engine"],
+                       "wire_bytes_per_engine": s["wire_bytes_per_engine"],
                        "engines": s["synced"], "exact": all(s["exact"].values()) and bool(s["exact"])} for s in steps],
             "all_exact": all_exact,
             "killed": [{"step": s["step"], "engine": s["killed"]} for s in steps if "killed" in s],

@@ -19,6 +19,9 @@ def step_line(s: dict[str, Any]) -> str:
     ok = "[green]exact[/green]" if exact and all(exact.values()) and not s["sync_errors"] else "[red]NOT EXACT[/red]"
     per = ", ".join(f"{n} {_mb(b)}" for n, b in sorted(s["bytes_per_engine"].items()) if b is not None) or "-"
     per = escape(per)
+    wire = s.get("wire_bytes_per_engine") or {}
+    if any(wire.get(n) != b for n, b in s["bytes_per_engine"].items()):  # delta sync: fewer bytes read than applied
+        per += escape(f"; read {', '.join(f'{n} {_mb(b)}' for n, b in sorted(wire.items()) if b is not None)}")
     extra = ""
     if "killed" in s:
         extra += f"  [yellow]killed {s['killed']} after its rollouts; restarting[/yellow]"
@@ -43,6 +46,9 @@ def summary_table(steps: list[dict[str, Any]], report: dict[str, Any]):
         t.add_row("mean reward, first step -> last step", f"{report['reward_first']:.3f} -> {report['reward_last']:.3f}")
         t.add_row("sync seconds (median / max)", f"{sorted(syncs)[len(syncs) // 2]:.2f} / {max(syncs):.2f}")
         t.add_row("model bytes (full)", _mb(steps[0]["model_bytes"]))
+        read = sorted(b for s in steps[1:] for b in (s.get("wire_bytes_per_engine") or {}).values() if b is not None)
+        if read:
+            t.add_row("bytes read per engine per sync after the first (median)", _mb(read[len(read) // 2]))
     t.add_row("every engine exact after every sync", "yes" if report["all_exact"] else "NO")
     t.add_row("engines killed", ", ".join(f"{k['engine']} at step {k['step']}" for k in report["killed"]) or "-")
     t.add_row("rejoined (exact)", ", ".join(f"{k['engine']} at step {k['step']}" for k in report["rejoined"]) or "-")
