@@ -72,6 +72,10 @@ def build_checkpoint(model: str, out: str) -> str:
     return out
 
 
+CHANGED: float | None = None
+"""``--delta``: from version 2 on, each version changes only this fraction of the elements of the one before."""
+
+
 def version_state(base: dict, v: int) -> dict:
     """Deterministic weights of version ``v`` (v=0: the checkpoint's)."""
     import torch
@@ -79,6 +83,15 @@ def version_state(base: dict, v: int) -> dict:
     if v == 0:
         return {k: t.clone() for k, t in base.items()}
     dev = next(iter(base.values())).device
+    if CHANGED is not None and v > 1:  # an RL-like step: a few elements move (scales keep their version-1 values)
+        prev = version_state(base, v - 1)
+        g = torch.Generator(device=dev).manual_seed(2000 + v)
+        for k, t in prev.items():
+            if "scale" not in k:
+                hit = torch.rand(t.shape, generator=g, device=dev) < CHANGED
+                t.copy_(torch.where(hit, (t.float() + 0.01 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype),
+                                    t))
+        return prev
     g = torch.Generator(device=dev).manual_seed(1000 + v)
     return {k: (t.float() * (1 + 0.01 * v) if "scale" in k else  # scales stay positive
                 t.float() * (1 + 0.01 * v) + 0.002 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype)
@@ -174,7 +187,7 @@ def phase(args) -> dict:
     times = []
     if args.phase == "shardsync":
         source = _failing_source(state)
-        eng = _shardsync_trainer(llm, source)
+        eng = _shardsync_trainer(llm, source, delta=args.delta is not None)
         out["init_s"] = round(eng._init_s, 3)
         send = eng.send_weights
     else:
@@ -207,6 +220,9 @@ def phase(args) -> dict:
         times.append(round(time.perf_counter() - t0, 4))
         trainer_peak = max(trainer_peak, torch.cuda.max_memory_allocated())
     out["sync_s"] = times
+    if args.phase == "shardsync" and args.delta is not None:  # the last sync's delta counters, trainer and worker side
+        out["delta"] = {k: v for k, v in eng.producer.stats.items() if k.startswith("delta_")}
+        out["delta_worker"] = llm.collective_rpc(_wire)[0]
     eng_now, eng_peak = llm.collective_rpc(_mem)[0]
     out["memory"] = {
         "trainer_after_init_extra_bytes": mem["trainer_init"] - mem["trainer0"],
@@ -267,19 +283,25 @@ def _torn_round(llm, send, source, step, last: int) -> dict:
     step(last)
     send()
     r["version_after_heal"], r["worker_after_heal"] = label(), llm.collective_rpc(_sync_state)[0]
+    if CHANGED is not None:  # delta sync: what the torn sync wrote is no base, so the heal read it dense
+        r["delta_heal"] = llm.collective_rpc(_wire)[0]
     return r
+
+
+def _wire(worker) -> dict:  # runs in the vLLM worker: what its consumer read in the last sync
+    return worker.weight_transfer_engine._wire
 
 
 def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its weight groups hold
     return worker.weight_transfer_engine.sync_state()
 
 
-def _shardsync_trainer(llm, source):
+def _shardsync_trainer(llm, source, delta: bool = False):
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0,
-                                    transport="auto", device="cuda:0")
+                                    transport="auto", device="cuda:0", delta=delta)
     t0 = time.perf_counter()
     eng = compat.factory_trainer_init(info, client=llm, source=source)
     eng._init_s = time.perf_counter() - t0
@@ -327,11 +349,15 @@ def main() -> int:
                          "fp8-channel: compressed-tensors FP8, per-channel weight scales, dynamic activations)")
     ap.add_argument("--torn", action="store_true", help="then a sync aborted mid-way, then a complete one")
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
+    ap.add_argument("--delta", type=float, default=None, metavar="FRACTION",
+                    help="delta sync (trainer and worker); from version 2 on each version changes this fraction")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", choices=("shardsync", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    global CHANGED
+    CHANGED = args.delta
     if args.phase:
         r = phase(args)
         with open(args.out, "w") as f:
@@ -353,13 +379,14 @@ def main() -> int:
     if args.checkpoint == "fp8-block":  # the slimmed vLLM on the device lacks DeepGEMM's JIT headers: CUTLASS/Triton
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")
     res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
-                 "sleep": args.sleep, "syncs": args.syncs}
+                 "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta}
     phases = [("shardsync", ckpt), ("fresh", final)] + ([("ipc", ckpt)] if args.baseline else [])
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
                *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else []),
                *(["--torn"] if args.torn and name == "shardsync" else []),
+               *(["--delta", str(args.delta)] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
         if p.returncode != 0 or not os.path.exists(out):

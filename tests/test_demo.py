@@ -174,8 +174,14 @@ def _check_loop(summary: dict, report: dict) -> None:
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_demo_loop_is_exact_every_step_and_a_killed_engine_rejoins(tmp_path):
-    summary, report = _demo(tmp_path)
+    """With ``--delta`` (issue 27): the rejoined engine holds no base and reads its first sync dense."""
+    summary, report = _demo(tmp_path, "--delta")
     _check_loop(summary, report)
+    wire = [s["wire_bytes_per_engine"] for s in report["per_step"]]
+    model = report["per_step"][0]["model_bytes"]
+    assert all(b >= model for b in wire[0].values()), wire  # the first sync: dense everywhere
+    assert wire[2]["r1"] >= model, wire  # restarted at step 2, rejoined at step 3: dense again (and exact)
+    assert all(0 < wire[i]["r0"] <= wire[0]["r0"] for i in (1, 2)), wire  # r0 held every base
     assert report["per_step"][1]["dropped"] == ["r1/rank0"]  # a member of version 2, dropped when its lease ran out
     # fixed seeds (the policy's init, the prompts, vLLM's per-request sampling seeds) make the rewards the same in
     # every run here (0.701, 0.547, 0.760, ... seen in every run, with and without Ray): step 3 beats step 1

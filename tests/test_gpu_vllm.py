@@ -29,6 +29,7 @@ CASES = [  # (model, extra flags)
     ("tiny", ["--quant", "fp8"]),             # FP8 online quantisation of a bf16 checkpoint
     ("tiny", ["--checkpoint", "fp8-block"]),  # a block-FP8 checkpoint (128x128 weight_scale_inv)
     ("tiny", ["--checkpoint", "fp8-channel"]),  # compressed-tensors FP8: per-channel weight_scale, dynamic acts
+    ("tiny-moe", ["--delta", "0.01", "--torn"]),  # delta sync (1 % changed a version); a torn sync healed dense
 ]
 IDS = [f"{m}{''.join(f)}" for m, f in CASES]
 
@@ -78,4 +79,10 @@ def test_synced_gpu_engine_equals_a_fresh_gpu_engine(runs, model: str, flags: li
         assert t["served_after_abort"]["finish_reason"] == "error" and t["served_after_abort"]["tokens"] == [], t
         assert "TORN" in t["served_after_abort"]["stop_reason"], t
         assert not t["worker_after_heal"]["torn"] and t["worker_after_heal"]["holds"].isdigit(), t
+        if "--delta" in flags:
+            assert t["delta_heal"]["delta_dense_chunks"] > 0, t["delta_heal"]
+    if "--delta" in flags:  # the last sync: every chunk a delta against the version held, few bytes read
+        d, w = s["delta"], s["delta_worker"]
+        assert d["delta_offered"] > 0 and w["delta_chunks"] > 0 and w["delta_heals"] == 0, (d, w)
+        assert 0 < w["bytes_received"] * 4 < s["bytes"], (w, s["bytes"])
     assert s["exact"] and rc == 0

@@ -135,21 +135,14 @@ def read_held(pl: Puller, ready: Any) -> int:
     version held, else dense; returns the bytes read (the wire bytes)."""
     from .puller import producer_lost
 
-    c, rnd, p, version = pl.c, pl.rnd, pl.p, pl.rnd.version
+    c, p, version = pl.c, pl.p, pl.rnd.version
     held: HeldChunks = c.held
     group, lay = ready.group, c.layouts[ready.group]
     where = f"consumer {c.id}: producer {p}, group {group!r}, version {version}"
     offers, rejected = parse_offers(ready, lay, where=where)
     held.count(delta_rejected=rejected, delta_heals=rejected)
     got = 0
-    tags = ready.tags or [None] * len(ready.chunks)
-    for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
-        if rnd.failing.is_set():
-            raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
-        pl.check_peers()
-        chunk = lay.chunks[ci]
-        if n != chunk.nbytes:
-            raise SyncError(f"consumer {c.id}: chunk {ci} of {group!r} is {n} bytes, expected {chunk.nbytes}")
+    for ci, _, off, n, checksum, tag in pl.announced(ready):
         dst = held.view(group, ci)
         have = held.touch(group, ci)
         offer = offers.get(ci)

@@ -40,6 +40,7 @@ from .producer_sync import ProducerSync, finish_lockstep
 from .snapshot import PendingSync, Snapshot
 from .chunkmac import chunk_key
 from .delta_send import DeltaSender
+from .same_batches import SameBatches
 from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, parse_address
@@ -256,6 +257,7 @@ class Producer(ServedVersions):
                             f"{self.schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
                             f"{cfg.gather_budget_bytes}")
         self.order = self.schedule.order
+        self.same_batches = SameBatches()  # per gather batch: the checks of the last sync, for the same objects
         self.n_slots = cfg.lookahead + 1
         self.delta = None
         if cfg.delta:  # a delta area as large as the dense part beside it in every slot

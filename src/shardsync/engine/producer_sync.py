@@ -81,6 +81,8 @@ class ProducerSync:
         self.peak = 0
         """Most full-tensor bytes resident at once (schedule rule 5)."""
         self.slot_wait_s = self.gather_s = self.pack_s = 0.0
+        self.batches_reused = 0
+        """Gather batches whose checks were skipped: the source yielded the same objects as last sync."""
         self._it: Iterator[Any] | None = None
         self.lockstep_done = False
         """Every batch of the source iterated (schedule rule 1: also on failure, see :meth:`finish_lockstep`)."""
@@ -129,15 +131,17 @@ class ProducerSync:
                         source_stats=dict(getattr(pr.source, "stats", None) or {}),
                         completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                         dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
-                        pack_s=self.pack_s)
+                        pack_s=self.pack_s, batches_reused=self.batches_reused)
         return dict(pr.stats)
 
     def _gather_and_pack(self) -> None:
         pr, ls, rank = self.pr, self.pr.schedule, self.pr.cfg.rank
         assert pr.ring is not None
-        by_name = {x.name: x for x in pr.metas}
+        self.by_name = {x.name: x for x in pr.metas}
         it = self._it = iter(self.source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
+        same = pr.same_batches
+        hits0 = same.hits
         dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
         for b, expect in enumerate(ls.batches):
             t1 = time.perf_counter()
@@ -145,17 +149,13 @@ class ProducerSync:
                 self.await_slot(ls.pack_after[b][0])  # rule 4: no gather while the ring is full
             t2 = time.perf_counter()
             names, tensors = next_batch(it, expect, b, rank=rank, n_batches=len(ls.batches))
-            now = sum(t.nbytes for t in tensors if t is not None)
+            hit = same.check(b, tensors)
+            if hit is not None:  # the same objects as last sync: its checks hold, take the kept ones by position
+                now, idx, knames = hit
+                kept.update(zip(knames, [tensors[i] for i in idx]))
+            else:
+                now = self.check_batch(b, names, tensors, kept)
             self.gathered += now
-            for n, t in zip(names, tensors):
-                if n in ls.keep[b]:
-                    if t is None:
-                        raise MetadataMismatch(f"producer {rank}: the source yielded no tensor for {n!r}, which "
-                                               "this rank holds and serves")
-                    shape, dt = pr._expect[n]
-                    if t.shape != shape or t.dtype != dt:
-                        check_tensor(by_name[n], t, rank=rank)
-                    kept[n] = t.contiguous()
             self.peak = max(self.peak, now + sum(kept[n].nbytes for n in kept.keys() - ls.keep[b]))  # + carried
             del tensors  # rule 2: the batch is dropped once looked at
             t3 = time.perf_counter()
@@ -177,9 +177,34 @@ class ProducerSync:
                 if t is not None and pr.lane.cuda:
                     dropped.append(t)
         self.lockstep_done = True
+        self.batches_reused = same.hits - hits0
         no_more_batches(it, rank=rank, n_batches=len(ls.batches))
         self.pub.submit(lambda: None, what="the last pack", hold=dropped)
         self.pub.flush()
+
+    def check_batch(self, b: int, names: list[str], tensors: list[Any], kept: dict[str, torch.Tensor]) -> int:
+        """The full checks of batch ``b`` (each kept tensor present, of the metadata's shape and dtype), its kept
+        tensors into ``kept`` (contiguous); remembered for the next sync when every kept one is the source's own
+        object. Returns the batch's bytes."""
+        pr, rank, keep = self.pr, self.pr.cfg.rank, self.pr.schedule.keep[b]
+        now, idx, knames, own = 0, [], [], True
+        for i, (n, t) in enumerate(zip(names, tensors)):
+            if t is not None:
+                now += t.nbytes
+            if n in keep:
+                if t is None:
+                    raise MetadataMismatch(f"producer {rank}: the source yielded no tensor for {n!r}, which "
+                                           "this rank holds and serves")
+                shape, dt = pr._expect[n]
+                if t.shape != shape or t.dtype != dt:
+                    check_tensor(self.by_name[n], t, rank=rank)
+                c = kept[n] = t.contiguous()
+                own = own and c is t
+                idx.append(i)
+                knames.append(n)
+        if own:
+            pr.same_batches.record(b, tensors, now, idx, knames)
+        return now
 
     def finish_lockstep(self) -> None:
         """Schedule rule 1 on failure: iterate the batches not gathered yet (their collectives), keeping nothing."""
@@ -214,12 +239,14 @@ class ProducerSync:
         with pr.cv:
             live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
         units = pr.units[g]
+        gen = pr.same_batches.generation  # unchanged since the packers' views were checked: no check per tensor
         with pr.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
             for u in units:
                 c = u.chunk
                 if pr.delta is not None:  # alignment gaps hold a previous group's bytes: they would read as changes
                     pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes].zero_()
-                u.packer.pack(full, pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start)
+                u.packer.pack(full, pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start,
+                              gen=gen)
         for u in units:
             sent += u.chunk.nbytes * len(live.get(u.digest, ()))
         with pr.cv:

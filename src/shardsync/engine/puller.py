@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from . import messages as m
 from .recvslots import RecvSlots
@@ -250,11 +250,26 @@ class Puller(threading.Thread):
         if version in view["failed"]:
             raise SyncError(f"consumer {c.id}: version {version} failed: {view['failed'][version]}")
 
+    def announced(self, ready: m.Ready) -> Iterator[tuple[int, Any, int, int, int, bytes | None]]:
+        """Each announced chunk of ``ready.group``: (index, its layout entry, offset, bytes, checksum, tag), once the
+        version still stands, this producer is alive and the size is the layout's (else the read stops here)."""
+        c, version, group = self.c, self.rnd.version, ready.group
+        lay = c.layouts[group]
+        tags = ready.tags or [None] * len(ready.chunks)
+        for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
+            if self.rnd.failing.is_set():  # another puller or the apply failed: stop reading now
+                raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
+            self.check_peers()  # the version failed at the coordinator, or this producer's lease lapsed
+            chunk = lay.chunks[ci]
+            if n != chunk.nbytes:
+                raise SyncError(f"consumer {c.id}: chunk {ci} of {group!r} is {n} bytes, expected {chunk.nbytes}")
+            yield ci, chunk, off, n, checksum, tag
+
     def read(self, ready: m.Ready) -> int:
         """Read producer ``p``'s chunks of ``ready.group`` into the group's receive slot (or, read directly, note
         where they lie in its mapped buffer); returns the bytes."""
         c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
-        group, lay = ready.group, c.layouts[ready.group]
+        group = ready.group
         if c.held is not None:  # delta sync: into the held copy, a delta where one applies (``delta_recv.py``)
             return read_held(self, ready)
         if p in rnd.direct:
@@ -263,14 +278,7 @@ class Puller(threading.Thread):
         buf = c.slots[rnd.slots.acquire(group, timeout_s=c.timeout_s, abort=rnd.failing,
                                         what=f"group {group!r} of version {version}")]
         got = 0
-        tags = ready.tags or [None] * len(ready.chunks)
-        for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
-            if rnd.failing.is_set():  # another puller or the apply failed: stop reading now
-                raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
-            self.check_peers()  # the version failed at the coordinator, or this producer's lease lapsed
-            chunk = lay.chunks[ci]
-            if n != chunk.nbytes:
-                raise SyncError(f"consumer {c.id}: chunk {ci} of {group!r} is {n} bytes, expected {chunk.nbytes}")
+        for ci, chunk, off, n, checksum, tag in self.announced(ready):
             dst = buf[chunk.start: chunk.start + n]
             try:
                 c.transport.read(p, off, n, dst, timeout_s=max(c.lease_s, n / 50e6))
@@ -283,16 +291,11 @@ class Puller(threading.Thread):
     def read_directly(self, ready: m.Ready) -> int:
         """Direct read: check each chunk's range in producer ``p``'s mapped buffer (and its checksum); the apply
         copies from there."""
-        c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
-        group, lay, remote = ready.group, c.layouts[ready.group], rnd.direct[self.p]
+        c, rnd, p = self.c, self.rnd, self.p
+        group, remote = ready.group, rnd.direct[self.p]
         parts, got = [], 0
-        tags = ready.tags or [None] * len(ready.chunks)
-        for (ci, off, n, checksum), tag in zip(ready.chunks, tags):
-            if rnd.failing.is_set():
-                raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
-            self.check_peers()
-            chunk = lay.chunks[ci]
-            if n != chunk.nbytes or off < 0 or off + n > remote.numel():
+        for ci, chunk, off, n, checksum, tag in self.announced(ready):
+            if off < 0 or off + n > remote.numel():
                 raise SyncError(f"consumer {c.id}: producer {p} announced chunk {ci} of {group!r} at [{off}, "
                                 f"{off + n}) of its {remote.numel()}-byte buffer; expected {chunk.nbytes} bytes inside")
             data = remote[off: off + n]

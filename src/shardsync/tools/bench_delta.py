@@ -167,7 +167,7 @@ def run_bench_delta(*, params: float | None = None, syncs: int = 4, lr: float = 
         pn = _run_pass(delta=False, weights=replayed, fresh_engine_at_end=False, **common)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    med = lambda rows, k: statistics.median(r[k] for r in rows[1:])  # noqa: E731
+    med = lambda rows, k: round(statistics.median(r[k] for r in rows[1:]), 4)  # noqa: E731
     fracs = [meta[v]["changed_fraction"] for v in range(2, versions + 1)]
     out = {"syncs": syncs, "dense_bytes": med(pn, "wire_bytes"), "delta_bytes": med(pd, "wire_bytes"),
            "changed_fraction": round(statistics.median(fracs), 6) if fracs else None,

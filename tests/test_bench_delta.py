@@ -1,0 +1,38 @@
+"""``shardsync bench --delta`` (issue 27): the reference RL-rate trainer into a real vLLM engine, delta sync against
+dense sync over the same versions, every sync compared with a fresh load; the CLI's JSON contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_bench_delta_reads_fewer_bytes_and_every_sync_equals_a_fresh_load():
+    proc = subprocess.run([sys.executable, "-m", "shardsync.cli", "bench", "--delta", "--syncs", "2", "--json"],
+                          capture_output=True, text=True, timeout=850, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, proc.stdout[-2000:]  # --json: stdout carries only the JSON line
+    out = json.loads(lines[0])
+    assert list(out)[:7] == ["syncs", "dense_bytes", "delta_bytes", "changed_fraction", "seconds_dense",
+                             "seconds_delta", "exact"]  # the issue's summary fields, in its order
+    assert out["syncs"] == 2 and out["exact"] is True
+    assert out["lr"] == 1e-6 and 0 < out["changed_fraction"] < 0.2
+    delta, dense = out["delta"], out["dense"]
+    assert [r["version"] for r in delta] == [r["version"] for r in dense] == [1, 2, 3]
+    assert all(r["exact"] for r in delta + dense)  # every sync of both passes equal to a fresh load of its version
+    assert delta[-1]["fresh_engine_exact"] is True and delta[-1]["fresh_engine_compared"] > 20
+    model = dense[0]["applied_bytes"]
+    assert all(r["wire_bytes"] == r["applied_bytes"] == model for r in dense)  # dense: every packed byte, each sync
+    assert delta[0]["wire_bytes"] == model and delta[0]["producer_delta_offered"] == 0  # first sync: no base
+    for r in delta[1:]:  # later syncs: only payloads cross the wire; the engine still applies every byte
+        assert r["applied_bytes"] == model and 0 < r["wire_bytes"] * 5 < model, r
+        assert r["producer_delta_payload_bytes"] == r["wire_bytes"], r
+    assert out["dense_bytes"] == model and out["delta_bytes"] * 5 < model
+    assert out["first_sync_bytes"] == {"dense": model, "delta": model}
