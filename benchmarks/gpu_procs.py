@@ -168,7 +168,7 @@ class GpuConsumer:
         self.zoo = ZooConsumer(zoo_config(args), cid, tp=tp, tp_rank=rank, device=self.dev)
         self.full_pull = full_pull
         self.plan = zoo_plan(self.zoo.cfg, self.metas, cid) if full_pull else self.zoo.record(self.metas)
-        self.proc = Processor(self.zoo.params)
+        self.proc = Processor({} if getattr(args, "no_process", False) else self.zoo.params)
         self.layouts = {g.name: layout_group(g) for g in self.plan.groups}
         if not full_pull:
             for g in self.plan.groups:

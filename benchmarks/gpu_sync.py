@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--transports", default="", help="comma list (default: cuda_ipc,nccl[,nixl] on GPUs; "
                                                      "tcp,nccl:gloo on CPU)")
     ap.add_argument("--scenarios", default="ABC")
+    ap.add_argument("--no-process", action="store_true", help="no FP8 process step in the consumers' apply (the engine "
+                                                                   "alone against the floor)")
     ap.add_argument("--profile", action="store_true", help="cProfile every sync into OUT/profile-*.txt")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
