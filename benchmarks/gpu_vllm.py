@@ -36,78 +36,11 @@ import sys
 import tempfile
 import time
 
+from gpu_vllm_weights import MODELS, build_checkpoint, load_state, save_version, version_state
+
 PROMPTS = [[1, 17, 42, 99, 7, 3], [5, 6, 7, 8]]
-MODELS = {
-    "tiny": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, vocab_size=1024),
-    "tiny-moe": dict(arch="qwen3_moe", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                     num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=64, vocab_size=1024),
-    "tiny-mla": dict(arch="deepseek_v3", hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                     n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-                     n_group=1, topk_group=1, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=128, v_head_dim=128, num_hidden_layers=2, num_attention_heads=16,
-                     num_key_value_heads=16, vocab_size=1024),
-    "bench": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
-                  num_key_value_heads=4, head_dim=128, vocab_size=32000),
-}
-
-
-def build_checkpoint(model: str, out: str) -> str:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    import transformers as tf
-
-    spec = dict(MODELS[model])
-    arch = spec.pop("arch")
-    cfg_cls, model_cls = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                          "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM)}[arch]
-    torch.manual_seed(0)
-    cfg = cfg_cls(**spec, max_position_embeddings=512, torch_dtype="bfloat16", tie_word_embeddings=False)
-    if arch == "deepseek_v3":  # vLLM creates gate.e_score_correction_bias only for noaux_tc routing
-        cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
-    m = model_cls(cfg).to(torch.bfloat16)
-    m.save_pretrained(out, safe_serialization=True)
-    return out
-
-
 CHANGED: float | None = None
 """``--delta``: from version 2 on, each version changes only this fraction of the elements of the one before."""
-
-
-def version_state(base: dict, v: int) -> dict:
-    """Deterministic weights of version ``v`` (v=0: the checkpoint's)."""
-    import torch
-
-    if v == 0:
-        return {k: t.clone() for k, t in base.items()}
-    dev = next(iter(base.values())).device
-    if CHANGED is not None and v > 1:  # an RL-like step: a few elements move (scales keep their version-1 values)
-        prev = version_state(base, v - 1)
-        g = torch.Generator(device=dev).manual_seed(2000 + v)
-        for k, t in prev.items():
-            if "scale" not in k:
-                hit = torch.rand(t.shape, generator=g, device=dev) < CHANGED
-                t.copy_(torch.where(hit, (t.float() + 0.01 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype),
-                                    t))
-        return prev
-    g = torch.Generator(device=dev).manual_seed(1000 + v)
-    return {k: (t.float() * (1 + 0.01 * v) if "scale" in k else  # scales stay positive
-                t.float() * (1 + 0.01 * v) + 0.002 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype)
-            for k, t in base.items()}
-
-
-def load_state(ckpt: str) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(os.listdir(ckpt)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(ckpt, f)))
-    return out
-
-
 def _probe(worker) -> dict:  # runs in the vLLM worker
     import hashlib
 
@@ -178,7 +111,7 @@ def phase(args) -> dict:
         return out
     before = llm.collective_rpc(_probe)[0]
     out["tokens_before"] = _tokens(llm)
-    state = version_state(base, 0)
+    state = version_state(base, 0, CHANGED)
     out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
     torch.cuda.synchronize()
     mem = {"trainer0": torch.cuda.memory_allocated(), "engine0": llm.collective_rpc(_mem)[0][0],
@@ -202,7 +135,7 @@ def phase(args) -> dict:
             used = _device_used()
             llm.sleep(level=1)
             out.setdefault("sleep_freed_device_bytes", []).append(used - _device_used())
-        new = version_state(base, v)
+        new = version_state(base, v, CHANGED)
         for k, t in state.items():
             t.copy_(new[k])
         del new
@@ -374,7 +307,7 @@ def main() -> int:
 
         to_channel_fp8(ckpt)
     final = os.path.join(work, f"v{args.syncs}")
-    _save_version(ckpt, final, args.syncs)
+    save_version(ckpt, final, args.syncs, CHANGED)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     if args.checkpoint == "fp8-block":  # the slimmed vLLM on the device lacks DeepGEMM's JIT headers: CUTLASS/Triton
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")
@@ -408,17 +341,6 @@ def main() -> int:
     line = json.dumps(res)
     print(line if args.json else json.dumps(res, indent=1))
     return 0 if res.get("shardsync", {}).get("exact") else 1
-
-
-def _save_version(src: str, dst: str, v: int) -> None:
-    import shutil
-
-    from safetensors.torch import save_file
-
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
-    base = {k: t.to("cuda:0") for k, t in load_state(src).items()}
-    save_file({k: t.cpu().contiguous() for k, t in version_state(base, v).items()},
-              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
 if __name__ == "__main__":
