@@ -235,3 +235,19 @@ def test_cuda_round_trip_and_history(frac: float) -> None:
         assert e.header == msgspec.structs.replace(cpu.header, base=1, checksum=codec.checksum(new))
         h.rollback()
         assert torch.equal(h.held(key).cpu(), old) and h.version(key) == 1
+
+
+def test_a_checksum_the_caller_computed_is_used_as_given() -> None:
+    """A producer that checksums each chunk anyway passes that xxh3 (an int) instead of hashing again."""
+    g = torch.Generator().manual_seed(5)
+    old = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    new[100:104] ^= 1
+    real = codec.checksum(new)
+    assert codec.encode(new, old, base=1, checksum=True).header.checksum == real
+    assert codec.encode(new, old, base=1, checksum=real).header.checksum == real
+    assert codec.encode(new, old, base=1, checksum=False).header.checksum is None
+    assert codec.dense(new, checksum=real).header.checksum == real
+    wrong = codec.encode(new, old, base=1, checksum=real ^ 1)  # a wrong one is caught where the bytes are checked
+    with pytest.raises(codec.DeltaMismatch):
+        codec.verify(new, wrong.header)

@@ -166,17 +166,17 @@ def _buffer(out: torch.Tensor | None, size: int, like: torch.Tensor) -> torch.Te
     return out[:size]
 
 
-def dense(new: torch.Tensor, *, out: torch.Tensor | None = None, checksum: bool = False) -> Encoded:
+def dense(new: torch.Tensor, *, out: torch.Tensor | None = None, checksum: bool | int = False) -> Encoded:
     """The dense form of ``new`` (no base needed)."""
     _check_chunk(new, "new", "")
     n = new.numel()
     payload = new if out is None else _buffer(out, n, new).copy_(new)
     return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=n // word_size(n),
-                               checksum=_sum(new) if checksum else None), payload)
+                               checksum=_csum(new, checksum)), payload)
 
 
 def encode(new: torch.Tensor, old: torch.Tensor | None, *, base: int | None = None, out: torch.Tensor | None = None,
-           checksum: bool = False) -> Encoded:
+           checksum: bool | int = False) -> Encoded:
     """The smallest form of ``new`` given ``old`` (the bytes served at version ``base``; None: dense).
 
     ``out``: where the payload goes (at least ``new.numel()`` bytes always suffices); else a new tensor (pairs,
@@ -194,13 +194,12 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, *, base: int | None = No
 
 
 def encode_changes(new: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, base: int | None = None,
-                   out: torch.Tensor | None = None, checksum: bool = False) -> Encoded:
+                   out: torch.Tensor | None = None, checksum: bool | int = False) -> Encoded:
     """:func:`encode` from :func:`changed_words`' output (for callers that keep the indices, e.g. an undo log)."""
     n = new.numel()
-    w = word_size(n)
     k = idx.numel()
     kind = choose(n, k)
-    csum = _sum(new) if checksum else None
+    csum = _csum(new, checksum)
     if kind == DENSE:
         enc = dense(new, out=out)
         return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=enc.header.count, checksum=csum), enc.payload, k)
@@ -351,6 +350,14 @@ def decode_into(out: torch.Tensor, old: torch.Tensor, enc: Encoded, *, base: int
             out.copy_(old)
     apply_changes(out, idx, vals)
     return out
+
+
+def _csum(new: torch.Tensor, checksum: bool | int) -> int | None:
+    """The header's checksum: ``True`` hashes ``new``; an int is its xxh3-64, already computed by the caller (a
+    producer that checksums the chunk anyway); ``False``: none."""
+    if checksum is True:
+        return _sum(new)
+    return None if checksum is False or checksum is None else int(checksum)
 
 
 def _sum(t: torch.Tensor) -> int:

@@ -180,10 +180,11 @@ class DeltaHistory:
         self._jpos = start + size
 
     # ------------------------------------------------------------------------------------------- use
-    def encode(self, key: Key, new: torch.Tensor, *, checksum: bool = False,
+    def encode(self, key: Key, new: torch.Tensor, *, checksum: bool | int = False,
                out: torch.Tensor | None = None) -> codec.Encoded:
         """Producer: ``new`` (this version's packed chunk, on any device) as the smallest form against the stored
-        base (dense without one); the base becomes ``new`` (undone by ``rollback``)."""
+        base (dense without one); the base becomes ``new`` (undone by ``rollback``). ``checksum``: as for
+        ``codec.encode`` (an int: ``new``'s xxh3-64, computed by the caller)."""
         dst = self._touch(key)
         if new.numel() != dst.numel():
             raise DeltaError(f"chunk {key}: {new.numel()} bytes packed, {dst.numel()} registered")

@@ -156,8 +156,8 @@ def read_held(pl: Puller, ready: Any) -> int:
                 got += size
                 try:
                     codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
-                    codec.verify(dst, h, where=f"{where}, chunk {ci}")
-                    pl.verify(dst, checksum, tag, group, ci)  # the chunk's own checksum / keyed tag, where sent
+                    codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
+                    pl.verify(dst, checksum, tag, group, ci, hashed=h.checksum)  # its own checksum / keyed tag
                     held.count(delta_chunks=1, delta_payload_bytes=size)
                     continue
                 except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones

@@ -62,13 +62,15 @@ class DeltaSender:
         self.history.rollback()
 
     def offer(self, unit: Any, group: str, region: torch.Tensor, area: torch.Tensor,
-              offset: int) -> list[int] | None:
+              offset: int, known_checksum: int | None = None) -> list[int] | None:
         """Encode ``region`` (the unit's packed chunk) against the history; a delta's payload goes to ``area``
         (the unit's delta area, at ``offset`` in the registered buffer). Returns the ``Ready.deltas`` entry, or
-        None (no base, or dense is no larger): consumers then read the dense bytes."""
+        None (no base, or dense is no larger): consumers then read the dense bytes. ``known_checksum``: the
+        region's xxh3-64 where the caller computed it for the chunk (hashed once, not twice)."""
         key = (unit.digest, group, unit.chunk.index)
         base = self.history.version(key)
-        enc = self.history.encode(key, region, checksum=base is not None, out=area if base is not None else None)
+        want = (known_checksum if known_checksum is not None else True) if base is not None else False
+        enc = self.history.encode(key, region, checksum=want, out=area if base is not None else None)
         h = enc.header
         if h.kind == codec.DENSE:
             self.dense += 1

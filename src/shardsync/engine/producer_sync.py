@@ -260,11 +260,12 @@ class ProducerSync:
                 if u.digest not in ready:
                     ready[u.digest] = m.Ready(version=self.version, group=g, chunks=[])
                 r = ready[u.digest]
-                r.chunks.append([c.index, base + u.slot_offset, c.nbytes, chunk_checksum(region)
-                                 if pr.checksums else -1])
+                csum = chunk_checksum(region) if pr.checksums else -1
+                r.chunks.append([c.index, base + u.slot_offset, c.nbytes, csum])
                 if pr.delta is not None:
                     at = base + pr.dense_slot + u.slot_offset
-                    entry = pr.delta.offer(u, g, region, pr.ring[at: at + c.nbytes], at)
+                    entry = pr.delta.offer(u, g, region, pr.ring[at: at + c.nbytes], at,
+                                           known_checksum=csum if csum >= 0 else None)
                     if entry is not None:
                         r.deltas.append(entry)
                 if pr.chunk_key is not None:

@@ -308,8 +308,10 @@ class Puller(threading.Thread):
     def release(self, group: str) -> None:
         release(self.c, self.rnd, self.p, group)
 
-    def verify(self, data: Any, checksum: int, tag: bytes | None, group: str, chunk: int) -> None:
-        """A keyed tag, where one came (``chunkmac.py``; it supersedes the checksum), else the xxh3 checksum."""
+    def verify(self, data: Any, checksum: int, tag: bytes | None, group: str, chunk: int,
+               hashed: int | None = None) -> None:
+        """A keyed tag, where one came (``chunkmac.py``; it supersedes the checksum), else the xxh3 checksum.
+        ``hashed``: the xxh3-64 these bytes were just found to have (a delta's own check): not hashed again."""
         c, p, version = self.c, self.p, self.rnd.version
         if tag is not None:
             check_chunk(c.chunk_key, tag, consumer=c.id, producer=p, version=version, group=group, chunk=chunk,
@@ -324,7 +326,7 @@ class Puller(threading.Thread):
                 raise ChecksumError(f"consumer {c.id}: producer {p} sent chunk {chunk} of group {group!r} without "
                                     "a checksum, and this consumer requires them (ProducerConfig.verify_checksums)")
             return
-        found = chunk_checksum(data)
+        found = hashed if hashed is not None else chunk_checksum(data)
         if found != checksum:
             raise ChecksumError(f"consumer {c.id}: chunk {chunk} of group {group!r} from producer {p} (version "
                                 f"{self.rnd.version}) has checksum {found:#x}, the producer computed {checksum:#x}")
