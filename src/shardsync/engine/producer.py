@@ -146,6 +146,8 @@ class Producer(ServedVersions):
         """version -> consumer -> (session, reason): Abandons that came before this rank began the version; applied
         at its begin only where the session is the member's (checked then: this rank has no table before)."""
         self.epoch = -1
+        self.same_batches = SameBatches()
+        """Per gather batch: the last sync's checks, reused while the source yields the same objects."""
         self.ring: torch.Tensor | None = None
         self.heartbeat: Heartbeat | None = None
         self._pending: PendingSync | None = None
@@ -257,7 +259,7 @@ class Producer(ServedVersions):
                             f"{self.schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
                             f"{cfg.gather_budget_bytes}")
         self.order = self.schedule.order
-        self.same_batches = SameBatches()  # per gather batch: the checks of the last sync, for the same objects
+        self.same_batches.reset()  # a new schedule: its batches are checked in full again
         self.n_slots = cfg.lookahead + 1
         self.delta = None
         if cfg.delta:  # a delta area as large as the dense part beside it in every slot

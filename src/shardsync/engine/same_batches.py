@@ -38,6 +38,11 @@ class SameBatches:
         """Bumped by every miss: while it stays the same, every batch checked since holds the objects it held when
         first checked (the packers' view caches trust their views for it: ``GroupPacker.pack(gen=)``)."""
 
+    def reset(self) -> None:
+        """A new schedule (its batches are other lists): forget every batch; the generation only ever grows."""
+        self.entries.clear()
+        self.generation += 1
+
     def check(self, b: int, tensors: list[Any]) -> tuple[int, list[int], list[str]] | None:
         e = self.entries.get(b)
         if e is None:
