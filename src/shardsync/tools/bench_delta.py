@@ -72,9 +72,8 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
     """One transfer group: versions 1..``versions``; ``weights(v)`` -> (served tensors, checkpoint of them)."""
     from .harness.vllm_engine import VllmEngine, check_against_fresh, parallel
     from ..engine.producer import Producer, ProducerConfig
-    from ..source import ModuleSource
-
     from ..integrations.vllm.testing.checkpoints import load_checkpoint
+    from ..source import ModuleSource
 
     live = load_checkpoint(ckpt0)  # the source's tensors (the engines' start-up weights), updated in place
     token = secrets.token_hex(16)
@@ -84,9 +83,10 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
     engines: list[Any] = []
     rows: list[dict[str, Any]] = []
     try:
-        engines = [VllmEngine(ckpt0, name=f"{'delta' if delta else 'dense'}{i}", tp=tp,
-                              coordinator=list(producer.address), token=token, transport=transport,
-                              timeout_s=timeout_s, connect=False, delta=delta) for i in range(replicas)]
+        for i in range(replicas):  # one at a time into the list: a failed start still closes the ones before
+            engines.append(VllmEngine(ckpt0, name=f"{'delta' if delta else 'dense'}{i}", tp=tp,
+                                      coordinator=list(producer.address), token=token, transport=transport,
+                                      timeout_s=timeout_s, connect=False, delta=delta))
         parallel([producer.init, *[e.init for e in engines]])
         for v in range(1, versions + 1):
             served, ckpt = weights(v)
