@@ -2,8 +2,8 @@
 
 A source that yields the same tensor objects every sync (``ModuleSource`` over live parameters, a colocated
 trainer's weights) gets each gather batch's checks done once: the names it keeps, their shapes and dtypes against the
-metadata, contiguity. Later syncs check only that the batch holds the same objects, at C speed (ids, addresses,
-strides, element counts, and weak references that still are those objects) and take the kept tensors by position.
+metadata, contiguity. Later syncs check only that the batch holds the same objects (``plan.viewcache.SameTensors``: ids,
+addresses, strides, element counts, weak references, at C speed) and take the kept tensors by position.
 A source whose tensors are new every sync (an FSDP all-gather's output) never matches and costs one signature per
 batch; nothing here keeps a tensor alive (weak references only)::
 
@@ -14,25 +14,16 @@ batch; nothing here keeps a tensor alive (weak references only)::
 
 from __future__ import annotations
 
-import operator
-import weakref
 from typing import Any
 
-import torch
+from ..plan.viewcache import SameTensors
 
 __all__ = ["SameBatches"]
 
 
-def _signature(tensors: list[Any]) -> tuple:
-    T = torch.Tensor
-    live = [t for t in tensors if t is not None]
-    return (list(map(id, tensors)), list(map(T.data_ptr, live)), list(map(T.stride, live)),
-            list(map(T.numel, live)))
-
-
 class SameBatches:
     def __init__(self) -> None:
-        self.entries: dict[int, tuple[tuple, list, int, list[int], list[str]]] = {}
+        self.entries: dict[int, tuple[SameTensors, int, list[int], list[str]]] = {}
         self.hits = 0
         self.generation = 0
         """Bumped by every miss: while it stays the same, every batch checked since holds the objects it held when
@@ -48,9 +39,8 @@ class SameBatches:
         if e is None:
             self.generation += 1
             return None
-        sig, refs, now, idx, names = e
-        if len(refs) != len(tensors) or _signature(tensors) != sig or \
-                not all(map(operator.is_, map(operator.call, refs), tensors)):
+        seen, now, idx, names = e
+        if not seen.matches(tensors):
             del self.entries[b]
             self.generation += 1
             return None
@@ -59,6 +49,4 @@ class SameBatches:
 
     def record(self, b: int, tensors: list[Any], now: int, idx: list[int], names: list[str]) -> None:
         """Batch ``b`` passed the full checks and every kept tensor is the source's own object (contiguous)."""
-        none = type(None)  # called, it gives None: the "reference" of a position the source left empty
-        self.entries[b] = (_signature(tensors), [none if t is None else weakref.ref(t) for t in tensors], now,
-                           idx, names)
+        self.entries[b] = (SameTensors(tensors), now, idx, names)

@@ -2,7 +2,7 @@
 tensor, once its tensors have stayed the same objects for a few calls.
 
 A program is a closure that launches a chunk's copies (``torch._foreach_copy_`` over cached views, and the loaders'
-constant fills). While the views are cached (``pack._Stable``: the same live tensors at the same addresses) its
+constant fills). While the views are cached (``viewcache._Stable``: the same live tensors at the same addresses) its
 ``Replay`` launches it directly on the first cached call, captures it into a graph on the next (on the caller's
 current stream, in thread-local capture mode so other threads' CUDA calls go on), and from then on replays the
 graph: the host work of a chunk is a few microseconds whatever its tensor count. A capture that fails (an op

@@ -19,7 +19,6 @@ hands ``unpack`` a :class:`ChunkParts` instead of one group buffer: each chunk's
 from __future__ import annotations
 
 import operator
-import weakref
 from itertools import repeat
 from typing import Callable, Hashable, Mapping
 
@@ -29,7 +28,7 @@ import torch
 from ..errors import PlanError, SyncError
 from ..types import DestParam, Fill, GroupPlan, Plan, Scatter, dtype_of
 from . import opcodec
-from .graphs import Replay
+from .viewcache import Uncacheable, _Views
 
 __all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker",
            "GroupUnpacker", "ChunkParts"]
@@ -164,82 +163,6 @@ def check_dests(plan: "Plan", params: Mapping[str, torch.Tensor]) -> None:
 
 def _packed_view(buf: torch.Tensor, off: int, s: Scatter) -> torch.Tensor:
     return buf[off: off + s.nbytes].view(dtype_of(s.dst_dtype)).view(s.shape)
-
-
-class _Stable:
-    """Views of tensors that stay the same objects from one call to the next, built once and replayed (rule 4:
-    nothing in the hot path re-derives what the plan knows). Tensors that are new every call (an FSDP
-    all-gather's output) are only ever weakly referenced, so no gathered tensor outlives its call.
-
-    "The same" is checked each call at C speed (a few maps over the list, ~1 µs a tensor): the same live objects
-    at the same addresses with the same strides and element counts (a ``.data`` swap or a re-allocation is
-    noticed; only an in-place ``as_strided_``/``set_`` to another shape with the same address, strides and size
-    would not be)."""
-
-    __slots__ = ("sig", "refs", "views", "replay", "gen")
-
-    def __init__(self) -> None:
-        self.gen: int | None = None
-        """The caller's generation the cached views were last found valid at (``get(gen=)``)."""
-        self.sig: tuple | None = None
-        self.refs: list = []
-        self.views: object = None
-        self.replay = Replay()
-        """The cached views' program as a CUDA graph (``plan/graphs.py``); reset with the views."""
-
-    def get(self, tensors: list[torch.Tensor], build: Callable[[], object],
-            gen: int | None = None) -> tuple[object, Replay | None]:
-        """(views, their ``Replay`` when they are the cached ones, else None). ``gen``: the caller vouches that
-        ``tensors`` are the objects of the last call at which it passed the same ``gen`` (unchanged since): cached
-        views found valid at that generation are returned without looking at the tensors."""
-        if gen is not None and gen == self.gen and self.views is not None:
-            return self.views, self.replay
-        T = torch.Tensor
-        sig = (list(map(id, tensors)), list(map(T.data_ptr, tensors)), list(map(T.stride, tensors)),
-               list(map(T.numel, tensors)))
-        same = sig == self.sig and len(self.refs) == len(tensors) and \
-            all(map(operator.is_, map(weakref.ref.__call__, self.refs), tensors))
-        if same and self.views is not None:
-            self.gen = gen
-            return self.views, self.replay
-        views = build()
-        if isinstance(views, Uncacheable):
-            self.sig = self.gen = None
-            return views.views, None
-        self.views = views if same else None  # cached from the second call on the same tensors
-        self.gen = gen if same else None
-        self.replay = Replay()
-        self.sig, self.refs = sig, [weakref.ref(t) for t in tensors]
-        return views, None
-
-
-class Uncacheable:
-    """What a build returns when its views must be built again every call: some source was not a view of its
-    tensor (an op chain with a copy, e.g. ``index_select``, replayed op by op: a cached copy would go stale)."""
-
-    __slots__ = ("views",)
-
-    def __init__(self, views: object):
-        self.views = views
-
-
-class _Views:
-    """One ``_Stable`` per (chunk, buffer address and size, base): a ring or a receive pool is a few fixed buffers,
-    so views of the buffer are keyed by its address (a slice of it is a new tensor object every call). At most
-    ``cap`` keys are kept (every chunk in each of a ring's slots, with room to spare)."""
-
-    def __init__(self, cap: int = 64) -> None:
-        self.by_key: dict[tuple, _Stable] = {}
-        self.cap = cap
-
-    def get(self, key: tuple, tensors: list[torch.Tensor], build: Callable[[], object],
-            gen: int | None = None) -> tuple[object, Replay | None]:
-        st = self.by_key.get(key)
-        if st is None:
-            if len(self.by_key) >= self.cap:
-                self.by_key.clear()
-            st = self.by_key[key] = _Stable()
-        return st.get(tensors, build, gen)
 
 
 class ChunkParts:
