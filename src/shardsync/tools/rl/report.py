@@ -11,17 +11,20 @@ def _mb(b: Any) -> str:
     return f"{b / 1e6:.2f} MB" if isinstance(b, (int, float)) else "-"
 
 
+def _per_engine(by_engine: dict[str, Any]) -> str:
+    return ", ".join(f"{n} {_mb(b)}" for n, b in sorted(by_engine.items()) if b is not None)
+
+
 def step_line(s: dict[str, Any]) -> str:
     """One step as a line of rich markup."""
     from rich.markup import escape
 
     exact = s["exact"]
     ok = "[green]exact[/green]" if exact and all(exact.values()) and not s["sync_errors"] else "[red]NOT EXACT[/red]"
-    per = ", ".join(f"{n} {_mb(b)}" for n, b in sorted(s["bytes_per_engine"].items()) if b is not None) or "-"
-    per = escape(per)
+    per = escape(_per_engine(s["bytes_per_engine"]) or "-")
     wire = s.get("wire_bytes_per_engine") or {}
     if any(wire.get(n) != b for n, b in s["bytes_per_engine"].items()):  # delta sync: fewer bytes read than applied
-        per += escape(f"; read {', '.join(f'{n} {_mb(b)}' for n, b in sorted(wire.items()) if b is not None)}")
+        per += escape(f"; read {_per_engine(wire)}")
     extra = ""
     if "killed" in s:
         extra += f"  [yellow]killed {s['killed']} after its rollouts; restarting[/yellow]"
