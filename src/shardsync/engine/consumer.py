@@ -40,6 +40,7 @@ from .heartbeat import Heartbeat
 from .lanes import Lane, hot_path
 from .delta_recv import HeldChunks
 from .puller import Puller, PullRound, SerialPuller, producer_lost
+from .source_open import SourceOpener
 from .wire import DEFAULT_MAX_FRAME, parse_address
 from ..errors import SessionInUse, SyncError, TransportError
 from ..plan.pack import GroupLayout
@@ -99,6 +100,8 @@ class Consumer:
             raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
                             f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
         self.delta = delta
+        self.sources: SourceOpener | None = None
+        """Source reads (``engine/source_open.py``): the producers' tensors mapped here, when the transport can."""
         """Delta sync (``engine/delta_recv.py``): keep a held copy of this consumer's packed chunks (its plan's
         packed bytes, on its device: ``stats["delta_held_bytes"]``) and read only the changed words where a producer
         with ``ProducerConfig.delta`` offers them against the version held; no receive slots, no direct reads."""
@@ -129,6 +132,8 @@ class Consumer:
                                    require_mac=self.require_mac)
         try:
             self.metas = [ParamMeta.from_dict(d) for d in w.metadata]
+            self.sources = SourceOpener(self.transport, self.metas, who=f"consumer {self.id}") \
+                if hasattr(self.transport, "open_shared") else None
             self.plan = self.record(self.metas)
             holders = holders_from_ownership(w.held, [x.name for x in self.metas])
             self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders,
@@ -277,10 +282,12 @@ class Consumer:
         if not finished:
             raise SyncError(f"consumer {self.id}: applying version {version} did not finish within {self.timeout_s} s")
         self.coord.call(m.Completed(consumer=self.id, session=session, version=version), timeout_s=self.lease_s + 1)
+        if self.sources is not None:
+            self.sources.prune()
         self.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_received=rnd.received,
                           apply_s=applier.seconds, rejoins=self.rejoins, recv_slots_used=rnd.slots.max_in_use if rnd.slots is not None else 0,
                           recv_bytes=sum(x.numel() for x in self.slots), pulled_from=sorted(rnd.serving),
-                          direct_from=sorted(direct),
+                          direct_from=sorted(direct), source_groups=rnd.sourced,
                           transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
                                       for p in rnd.serving}, ready_wait_s=rnd.ready_wait_s, read_s=rnd.read_s,
                           **(self.held.stats() if self.held is not None else {}))

@@ -34,7 +34,7 @@ from ..errors import TransportError
 
 __all__ = ["MAX_ID", "MAX_REASON", "clip", "Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
            "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
-           "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
+           "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready", "SourceTable",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
 
 
@@ -218,6 +218,9 @@ class WaitReady(_M):
     after: Id = ""
     """With ``group=""``: the next such group packed after this one (a consumer asks for group g+1 while it still
     reads g). Idempotent: asked again with the same ``after``, the answer is the same group."""
+    sources: bool = False
+    """This consumer maps the producer's memory on its own device: groups may be served from the trainer's tensors
+    where they lie (``ProducerConfig.source_reads``); without it they are packed."""
 
 
 class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
@@ -236,6 +239,19 @@ class Ready(_M):
     """With ``ProducerConfig.delta``: [[chunk index, offset, kind (1 pairs, 2 bitmap), count, base version, xxh3-64
     of the new dense bytes], ...] for the chunks also offered as a delta (``engine/delta_send.py``); at most one per
     announced chunk, each checked by the consumer before anything is read (``engine/delta_recv.py``)."""
+    sources: bytes = b""
+    """Source reads (``ProducerConfig.source_reads``): the group is not in the ring but where the trainer's tensors
+    lie, as an encoded :class:`SourceTable` (the same bytes every sync while they stay put; ``chunks`` then carry
+    offset -1). Decoded and checked by the consumer (``engine/source_open.py``)."""
+
+
+class SourceTable(msgspec.Struct, kw_only=True, array_like=True):
+    """Where a group's full tensors lie in storages a producer shared with its colocated consumers."""
+
+    storages: list[dict[str, Any]]
+    """The transport's descriptor of each storage (``share``; opened with ``open_shared``)."""
+    tensors: list[tuple[Name, int, int]]
+    """[(tensor name, index in ``storages``, byte offset of the contiguous tensor in that storage)]."""
 
 
 class Released(_M):

@@ -41,6 +41,7 @@ from .snapshot import PendingSync, Snapshot
 from .chunkmac import chunk_key
 from .delta_send import DeltaSender
 from .same_batches import SameBatches
+from .source_share import SourceShare
 from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, parse_address
@@ -120,6 +121,10 @@ class ProducerConfig:
     since this rank last served it, beside its dense bytes; consumers with ``delta=True`` holding that version read
     only the changes. Costs, on the ring's device: a delta area per ring slot (the ring doubles: ``ring_bytes``) and
     the history of served chunks (``delta_history_bytes``), plus an encode pass per chunk and its xxh3 checksum."""
+    source_reads: bool | None = None
+    """Serve groups where the trainer's tensors lie (``engine/source_share.py``): a consumer on this GPU (``cuda_ipc``)
+    or in this process (``loopback``) scatters straight from them, with no pack pass and no ring slot, from the second
+    sync on, for tensors that stay the same objects. None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
     delta_budget_bytes: int | None = None
     """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: twice
     the chunks. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
@@ -146,6 +151,7 @@ class Producer(ServedVersions):
         """version -> consumer -> (session, reason): Abandons that came before this rank began the version; applied
         at its begin only where the session is the member's (checked then: this rank has no table before)."""
         self.epoch = -1
+        self.reads_sources: dict[str, bool] = {}
         self.same_batches = SameBatches()
         """Per gather batch: the last sync's checks, reused while the source yields the same objects."""
         self.ring: torch.Tensor | None = None
@@ -153,8 +159,15 @@ class Producer(ServedVersions):
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
         self.lane = Lane(cfg.device)
-        wanted = cfg.verify_checksums if cfg.verify_checksums is not None else not self.lane.cuda
+        wanted = cfg.verify_checksums if cfg.verify_checksums is not None else not (self.lane.cuda or cfg.source_reads)
         self.checksums = wanted and not cfg.mac
+        can = hasattr(self.transport, "share") and not (self.checksums or cfg.mac or cfg.delta)
+        if cfg.source_reads and not can:
+            raise SyncError(f"producer {cfg.rank}: source_reads needs a transport that shares memory (cuda_ipc, "
+                            "loopback) and no checksums, mac or delta")
+        self.shares = SourceShare(self.transport, rank=cfg.rank) \
+            if can and (cfg.source_reads or (cfg.source_reads is None and self.lane.cuda)) else None
+        """Source reads (``ProducerConfig.source_reads``), when on."""
         """Whether this rank sends an xxh3 checksum with every chunk (``ProducerConfig.verify_checksums``; None: host
         rings; never with ``mac``, whose tags supersede them)."""
         self.chunk_key = chunk_key(cfg.token) if cfg.mac else None
@@ -260,6 +273,8 @@ class Producer(ServedVersions):
                             f"{cfg.gather_budget_bytes}")
         self.order = self.schedule.order
         self.same_batches.reset()  # a new schedule: its batches are checked in full again
+        self.unit_sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in self.units.items()}
+        self.by_source: set[str] = set()  # groups served by their source tensors last sync (no ring slot awaited)
         self.n_slots = cfg.lookahead + 1
         self.delta = None
         if cfg.delta:  # a delta area as large as the dense part beside it in every slot

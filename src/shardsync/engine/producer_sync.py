@@ -81,6 +81,10 @@ class ProducerSync:
         self.peak = 0
         """Most full-tensor bytes resident at once (schedule rule 5)."""
         self.slot_wait_s = self.gather_s = self.pack_s = 0.0
+        self.sources_held: dict[str, list[torch.Tensor]] = {}
+        """Group -> the source tensors it is served from (source reads), until every member released it."""
+        self.by_source: set[str] = set()
+        """Groups served by their source tensors this sync (``engine/source_share.py``)."""
         self.batches_reused = 0
         """Gather batches whose checks were skipped: the source yielded the same objects as last sync."""
         self._it: Iterator[Any] | None = None
@@ -131,7 +135,7 @@ class ProducerSync:
                         source_stats=dict(getattr(pr.source, "stats", None) or {}),
                         completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                         dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
-                        pack_s=self.pack_s, batches_reused=self.batches_reused)
+                        pack_s=self.pack_s, batches_reused=self.batches_reused, source_groups=len(self.by_source))
         return dict(pr.stats)
 
     def _gather_and_pack(self) -> None:
@@ -143,15 +147,17 @@ class ProducerSync:
         same = pr.same_batches
         hits0 = same.hits
         dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
+        hits: set[int] = set()
         for b, expect in enumerate(ls.batches):
             t1 = time.perf_counter()
-            if ls.pack_after[b]:
+            if ls.pack_after[b] and ls.pack_after[b][0] not in pr.by_source:
                 self.await_slot(ls.pack_after[b][0])  # rule 4: no gather while the ring is full
             t2 = time.perf_counter()
             names, tensors = next_batch(it, expect, b, rank=rank, n_batches=len(ls.batches))
             hit = same.check(b, tensors)
             if hit is not None:  # the same objects as last sync: its checks hold, take the kept ones by position
                 now, idx, knames = hit
+                hits.add(b)
                 kept.update(zip(knames, [tensors[i] for i in idx]))
             else:
                 now = self.check_batch(b, names, tensors, kept)
@@ -162,6 +168,12 @@ class ProducerSync:
             self.slot_wait_s += t2 - t1
             self.gather_s += t3 - t2
             for g in ls.pack_after[b]:
+                blob = None if pr.shares is None or not self.all_map(g) else \
+                    pr.shares.table(g, pr.unit_sources[g], kept, same, ls, hits)
+                if blob is not None:  # source reads: announced where the tensors lie, no ring slot
+                    self.sent += self.serve_sources(g, kept, blob, dropped)
+                    dropped = []
+                    continue
                 self.await_slot(g)
                 t4 = time.perf_counter()
                 self.max_resident = max(self.max_resident, len(self.slot_of) + 1)
@@ -178,6 +190,7 @@ class ProducerSync:
                     dropped.append(t)
         self.lockstep_done = True
         self.batches_reused = same.hits - hits0
+        pr.by_source = self.by_source
         no_more_batches(it, rank=rank, n_batches=len(ls.batches))
         self.pub.submit(lambda: None, what="the last pack", hold=dropped)
         self.pub.flush()
@@ -215,6 +228,8 @@ class ProducerSync:
     def reclaim(self) -> bool:
         """Rule 7: a released group frees its slot. True when a slot is free."""
         self.pub.check()
+        for g in [g for g in self.sources_held if not self.st.pending.get(g)]:
+            del self.sources_held[g]
         for g, s in list(self.slot_of.items()):
             if not self.st.pending.get(g):
                 self.free.append(s)
@@ -229,6 +244,39 @@ class ProducerSync:
                    "released them)"
 
         self.pr._wait(self.reclaim, what, self.version, st)
+
+    def all_map(self, g: str) -> bool:
+        """Every live member pulling group ``g`` maps this producer's memory on its device (``WaitReady.sources``)."""
+        pr, st = self.pr, self.st
+        with pr.cv:
+            users = set().union(*(self.users[u.digest] for u in pr.units[g])) - st.dropped.keys()
+            return bool(users) and all(pr.reads_sources.get(c) for c in users)
+
+    def serve_sources(self, g: str, full: dict[str, torch.Tensor], blob: bytes, hold: list) -> int:
+        """Announce group ``g`` where its source tensors lie (``Ready.sources``), once the stream that wrote them
+        has run; they are held until every member released the group. Returns the bytes it will send."""
+        pr, st = self.pr, self.st
+        with pr.cv:
+            live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
+            st.pending[g] = set().union(*(self.users[u.digest] for u in pr.units[g])) - st.dropped.keys()
+        self.sources_held[g] = [full[n] for n in pr.unit_sources[g]]
+        self.by_source.add(g)
+        pr.shares.served += 1
+        with pr.lane:  # the lane waits for the stream that wrote the weights; the announcement waits for the lane
+            pass
+
+        def announce() -> None:
+            ready: dict[str, m.Ready] = {}
+            for u in pr.units[g]:
+                r = ready.setdefault(u.digest, m.Ready(version=self.version, group=g, chunks=[], sources=blob))
+                r.chunks.append([u.chunk.index, -1, u.chunk.nbytes, -1])
+            with pr.cv:
+                st.ready[g] = ready
+                st.packed.append(g)
+                pr.cv.notify_all()
+
+        self.pub.submit(announce, what=f"serving group {g!r} from its source tensors", hold=hold)
+        return sum(u.chunk.nbytes * len(live.get(u.digest, ())) for u in pr.units[g])
 
     def pack(self, g: str, slot: int, full: dict[str, torch.Tensor], hold: list) -> int:
         """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack

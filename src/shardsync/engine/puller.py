@@ -24,6 +24,7 @@ from . import messages as m
 from .recvslots import RecvSlots
 from .chunkmac import check_chunk
 from .delta_recv import read_held
+from .source_open import read_sources
 from .wire import chunk_checksum
 from ..errors import ChecksumError, ChunkMacError, ProducerLost, SyncError, TransportError
 from ..plan.pack import ChunkParts
@@ -68,6 +69,8 @@ class PullRound:
         """Groups whose every part has landed, for the applier (None: no more)."""
         self.errors: list[BaseException] = []
         self.failing = threading.Event()
+        self.sourced = 0
+        """Groups (per producer) served from a producer's tensors where they lie (source reads)."""
         self.received = 0
         """Bytes landed, summed over the pullers."""
         self.ready_wait_s = 0.0
@@ -163,6 +166,8 @@ class Puller(threading.Thread):
         super().__init__(name=f"shardsync-pull-{consumer.id}-p{p}", daemon=True)
         self.c, self.rnd, self.p = consumer, rnd, p
         self.todo = rnd.serving[p]
+        self.sources = p in rnd.direct and consumer.sources is not None
+        """Tell the producer this consumer reads its tensors where they lie (``WaitReady.sources``)."""
 
     def run(self) -> None:
         c, rnd, p, todo = self.c, self.rnd, self.p, self.todo
@@ -215,7 +220,8 @@ class Puller(threading.Thread):
                 raise SyncError(f"consumer {c.id}: version {version} is failing (another puller or the apply)")
             try:
                 ready = c.clients[p].call(m.WaitReady(consumer=c.id, session=rnd.session, version=version,
-                                                      group=group, after=after), timeout_s=c.lease_s + 1)
+                                                      group=group, after=after, sources=self.sources),
+                                          timeout_s=c.lease_s + 1)
             except TransportError as e:
                 raise producer_lost(c.id, p, version, "", e) from None
             if not isinstance(ready, m.Pending):
@@ -270,6 +276,8 @@ class Puller(threading.Thread):
         where they lie in its mapped buffer); returns the bytes."""
         c, rnd, p, version = self.c, self.rnd, self.p, self.rnd.version
         group = ready.group
+        if ready.sources:  # where the producer's tensors lie (``source_open.py``)
+            return read_sources(self, ready)
         if c.held is not None:  # delta sync: into the held copy, a delta where one applies (``delta_recv.py``)
             return read_held(self, ready)
         if p in rnd.direct:

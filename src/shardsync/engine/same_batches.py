@@ -25,6 +25,11 @@ class SameBatches:
     def __init__(self) -> None:
         self.entries: dict[int, tuple[SameTensors, int, list[int], list[str]]] = {}
         self.hits = 0
+        self.spans: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        """Batch -> (its record serial, [(address, bytes) of each kept tensor]): where the recorded batches' tensors
+        lie (source reads check that no two batches share memory: ``engine/source_share.py``)."""
+        self.serial = 0
+        """Bumped by every record."""
         self.generation = 0
         """Bumped by every miss: while it stays the same, every batch checked since holds the objects it held when
         first checked (the packers' view caches trust their views for it: ``GroupPacker.pack(gen=)``)."""
@@ -32,7 +37,9 @@ class SameBatches:
     def reset(self) -> None:
         """A new schedule (its batches are other lists): forget every batch; the generation only ever grows."""
         self.entries.clear()
+        self.spans.clear()
         self.generation += 1
+        self.serial += 1
 
     def check(self, b: int, tensors: list[Any]) -> tuple[int, list[int], list[str]] | None:
         e = self.entries.get(b)
@@ -42,6 +49,8 @@ class SameBatches:
         seen, now, idx, names = e
         if not seen.matches(tensors):
             del self.entries[b]
+            self.spans.pop(b, None)
+            self.serial += 1
             self.generation += 1
             return None
         self.hits += 1
@@ -50,3 +59,5 @@ class SameBatches:
     def record(self, b: int, tensors: list[Any], now: int, idx: list[int], names: list[str]) -> None:
         """Batch ``b`` passed the full checks and every kept tensor is the source's own object (contiguous)."""
         self.entries[b] = (SameTensors(tensors), now, idx, names)
+        self.serial += 1
+        self.spans[b] = (self.serial, [(tensors[i].data_ptr(), tensors[i].nbytes) for i in idx])

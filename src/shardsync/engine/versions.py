@@ -40,6 +40,8 @@ class ServedVersions:
     versions: dict[int, VersionState]
     coordinator: Any
     heartbeat: Any
+    reads_sources: dict[str, bool]
+    """Consumer -> whether its last ``WaitReady`` said it maps this producer's memory (source reads)."""
 
     def _member(self, st: VersionState, cid: str, session: str, version: int) -> str:
         """The consumer's plan digest, if ``session`` is its credential in this version."""
@@ -58,6 +60,10 @@ class ServedVersions:
                 st = self.versions.get(msg.version)
                 if st is not None:
                     digest = self._member(st, msg.consumer, msg.session, msg.version)
+                    if self.reads_sources.get(msg.consumer) is not msg.sources:
+                        if len(self.reads_sources) > 4096:  # bounded (only members get here)
+                            self.reads_sources.clear()
+                        self.reads_sources[msg.consumer] = msg.sources
                     if st.failed:
                         raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {st.failed}")
                     if msg.consumer in st.dropped:

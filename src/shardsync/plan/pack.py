@@ -31,7 +31,7 @@ from . import opcodec
 from .viewcache import Uncacheable, _Views
 
 __all__ = ["ALIGN", "Chunk", "GroupLayout", "layout_group", "replay", "dst_view", "check_dests", "GroupPacker",
-           "GroupUnpacker", "ChunkParts"]
+           "GroupUnpacker", "ChunkParts", "Sources"]
 
 ALIGN = 64
 """Every slice starts at a multiple of this many bytes (vectorised copies, GPU-friendly)."""
@@ -177,6 +177,17 @@ class ChunkParts:
         self.parts = sorted(parts, key=lambda x: x[0].first)
 
 
+class Sources:
+    """A chunk's full tensors where they lie (source reads: the producer's own tensors, mapped into this process), in
+    place of its packed bytes inside :class:`ChunkParts`: the unpacker replays each scatter's op chain on them and
+    copies straight into the parameters (one pass; the packed bytes would be the same values, converted the same)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+
 class GroupPacker:
     """Producer side of one group of one plan: replay + pack. Views of tensors that stay the same between
     calls (module parameters, the ring) are built once and reused."""
@@ -229,6 +240,8 @@ class GroupUnpacker:
         self._views = _Views(cap=max(64, 8 * len(layout.chunks)))
         self._dsts: dict[tuple[int, int], list[str]] = {}
         """(first, stop) of a chunk -> the parameters its copies and fills write."""
+        self._srcs: dict[tuple[int, int], list[str]] = {}
+        """(first, stop) of a chunk -> the full tensors its scatters read (source reads)."""
 
     def unpack(self, buf: torch.Tensor | ChunkParts, params: Mapping[str, torch.Tensor], chunk: Chunk | None = None,
                *, base: int = 0) -> None:
@@ -243,6 +256,9 @@ class GroupUnpacker:
             if [a for a, _ in spans] != [0, *(b for _, b in spans[:-1])] or not spans or spans[-1][1] != n:
                 raise SyncError(f"group {self.g.name!r}: the parts to unpack cover scatters {spans}, not [0, {n})")
             for c, data in buf.parts:
+                if isinstance(data, Sources):
+                    self._unpack_sources(data.tensors, params, c)
+                    continue
                 if data.numel() < c.nbytes or self.layout.offsets[c.first] != c.start:
                     raise SyncError(f"group {self.g.name!r}: a part of {data.numel()} bytes at group byte {c.start} "
                                     f"for scatters [{c.first}, {c.stop}) does not match the layout")
@@ -265,6 +281,32 @@ class GroupUnpacker:
                 else:
                     rp.run(lambda s=steps: _run_steps(s), device=buf.device)
 
+    def _unpack_sources(self, full: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], c: Chunk) -> None:
+        sc = self.g.scatters
+        names = self._dests(c)
+        srcs = self._srcs.get((c.first, c.stop))
+        if srcs is None:
+            srcs = self._srcs[(c.first, c.stop)] = list(dict.fromkeys(s.src for s in sc[c.first:c.stop]))
+        tensors = [*map(params.get, names), *map(full.get, srcs)]
+        if any(map(operator.is_, tensors, repeat(None))):
+            k = [t is None for t in tensors].index(True)
+            if k < len(names):
+                _param(params, names[k], self.g.name)
+            raise SyncError(f"group {self.g.name!r}: source tensor {srcs[k - len(names)]!r} missing")
+
+        def build() -> object:
+            steps = self._program(None, params, c, 0, src=lambda i: replay(sc[i], full[sc[i].src]))
+            fresh = any(sc[i].view is None and not _same_storage(v, full[sc[i].src])
+                        for i, v in zip(range(c.first, c.stop), (x for st in steps for x in st[1])))
+            return Uncacheable(steps) if fresh else steps
+
+        with torch.no_grad():
+            steps, rp = self._views.get((c.first, c.stop, "sources"), tensors, build)
+            if rp is None:
+                _run_steps(steps)
+            else:
+                rp.run(lambda s=steps: _run_steps(s), device=tensors[0].device)
+
     def _dests(self, c: Chunk) -> list[str]:
         key = (c.first, c.stop)
         d = self._dsts.get(key)
@@ -273,8 +315,10 @@ class GroupUnpacker:
                 + [f.dst for f in self.g.fills if c.first <= f.pos <= c.stop]
         return d
 
-    def _program(self, buf: torch.Tensor, params: Mapping[str, torch.Tensor], c: Chunk, base: int) -> list:
-        """[(dsts, srcs, fills before them)], the fills at their recorded positions."""
+    def _program(self, buf: torch.Tensor | None, params: Mapping[str, torch.Tensor], c: Chunk, base: int,
+                 src: Callable[[int], torch.Tensor] | None = None) -> list:
+        """[(dsts, srcs, fills before them)], the fills at their recorded positions; ``src(i)``: scatter i's source
+        (default: its packed bytes in ``buf``)."""
         n = len(self.g.scatters)
         steps: list = []
         dsts: list = []
@@ -287,7 +331,7 @@ class GroupUnpacker:
                 steps.append(([], [], [(dst_view(_param(params, f.dst, self.g.name), f), f.value) for f in fills]))
             s = self.g.scatters[i]
             dsts.append(dst_view(_param(params, s.dst, self.g.name), s))
-            srcs.append(_packed_view(buf, self.layout.offsets[i] - base, s))
+            srcs.append(src(i) if src is not None else _packed_view(buf, self.layout.offsets[i] - base, s))
         steps.append((dsts, srcs, []))
         if c.stop == n:
             steps.append(([], [], [(dst_view(_param(params, f.dst, self.g.name), f), f.value)
@@ -298,6 +342,10 @@ class GroupUnpacker:
         for f in self.g.fills:
             if lo <= f.pos < hi:
                 dst_view(_param(params, f.dst, self.g.name), f).fill_(f.value)
+
+
+def _same_storage(view: torch.Tensor, full: torch.Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
 
 
 def _run_steps(steps) -> None:

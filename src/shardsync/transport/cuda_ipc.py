@@ -8,6 +8,10 @@ mapped allocation gives no signal of its own::
 
     desc = CudaIpcTransport().register(ring)                       # producer (cuda:0)
     t = CudaIpcTransport(); t.connect(0, desc); t.read(0, off, n, recv, timeout_s=10)   # consumer
+
+Source reads (``engine/source_share.py``): ``share(t)`` exports the storage holding a trainer tensor (once; the
+descriptor is cached by the caller) and ``open_shared(p, desc)`` maps it into the consumer as a uint8 tensor over the
+whole storage, so a colocated consumer scatters straight from the trainer's weights (no pack pass, no ring).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ def _u(x: str | None) -> bytes | None:
     return None if x is None else base64.b64decode(x)
 
 
+def _export(t: torch.Tensor) -> dict[str, Any]:
+    """The CUDA IPC descriptor of the storage holding ``t`` (JSON-safe)."""
+    (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = t.untyped_storage()._share_cuda_()
+    return {"device": int(device), "handle": _b(handle), "size": int(size), "offset": int(offset),
+            "rc_handle": _b(rc_handle), "rc_offset": int(rc_offset), "ev_handle": _b(ev_handle),
+            "ev_sync": bool(ev_sync), "node": socket.gethostname()}
+
+
 class CudaIpcTransport:
     name = "cuda_ipc"
     caps = Caps(one_sided=True, gpu=True, can_abort=False)
@@ -43,28 +55,40 @@ class CudaIpcTransport:
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
         if not buf.is_cuda or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise TransportError("cuda_ipc registers contiguous uint8 CUDA buffers only")
-        (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = \
-            buf.untyped_storage()._share_cuda_()
         self._keep.append(buf)
-        return {"device": int(device), "handle": _b(handle), "size": int(size), "offset": int(offset),
-                "rc_handle": _b(rc_handle), "rc_offset": int(rc_offset), "ev_handle": _b(ev_handle),
-                "ev_sync": bool(ev_sync), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel(),
-                "node": socket.gethostname()}
+        return {**_export(buf), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel()}
 
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
+        storage = self._open(producer, desc, "buffer")
+        t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        t.set_(storage, desc["tensor_offset"], (desc["nbytes"],))
+        self._peers[producer] = t
+
+    def share(self, t: torch.Tensor) -> dict[str, Any]:
+        """Producer: the storage holding ``t`` (a trainer tensor), exported; ``t`` starts at byte
+        ``t.storage_offset() * t.element_size()`` of it."""
+        if not t.is_cuda:
+            raise TransportError("cuda_ipc shares CUDA tensors only")
+        return _export(t)
+
+    def open_shared(self, producer: int, desc: dict[str, Any]) -> torch.Tensor:
+        """Consumer: a storage producer ``producer`` shared (``share``), mapped here as a uint8 tensor over all of
+        it. A malformed or stale descriptor is a TransportError."""
+        storage = self._open(producer, desc, "shared tensor")
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
+
+    def _open(self, producer: int, desc: dict[str, Any], what: str) -> Any:
         if desc.get("node", socket.gethostname()) != socket.gethostname():
             raise TransportError(f"cuda_ipc: producer {producer} is on node {desc['node']!r}, this consumer on "
                                  f"{socket.gethostname()!r}: CUDA IPC works within one node (use nixl or nccl)")
         try:
             torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(
-                desc["device"], _u(desc["handle"]), desc["size"], desc["offset"], _u(desc["rc_handle"]),
-                desc["rc_offset"], _u(desc["ev_handle"]), desc["ev_sync"])
-        except RuntimeError as e:
-            raise TransportError(f"cuda_ipc: cannot open producer {producer}'s buffer: {e}") from None
-        t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{desc['device']}")
-        t.set_(storage, desc["tensor_offset"], (desc["nbytes"],))
-        self._peers[producer] = t
+            return torch.UntypedStorage._new_shared_cuda(
+                int(desc["device"]), _u(desc["handle"]), int(desc["size"]), int(desc["offset"]),
+                _u(desc["rc_handle"]), int(desc["rc_offset"]), _u(desc["ev_handle"]), bool(desc["ev_sync"]))
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:
+            raise TransportError(f"cuda_ipc: cannot open producer {producer}'s {what}: {type(e).__name__}: {e}") \
+                from None
 
     def view(self, producer: int) -> torch.Tensor | None:
         """Producer ``producer``'s mapped buffer (for direct reads: the consumer copies straight out of it)."""

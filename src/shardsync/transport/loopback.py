@@ -43,6 +43,20 @@ class LoopbackTransport:
         key = self._peers.get(producer)
         return _REGISTRY.get(key) if key is not None else None
 
+    def share(self, t: torch.Tensor) -> dict[str, Any]:
+        """Source reads (``engine/source_share.py``): the storage holding ``t``, registered in this process."""
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), 0,
+                                                                         (t.untyped_storage().nbytes(),))
+        return self.register(whole)
+
+    def open_shared(self, producer: int, desc: dict[str, Any]) -> torch.Tensor:
+        """A storage producer ``producer`` shared: the uint8 tensor over all of it."""
+        key = desc.get("key") if isinstance(desc, dict) else None
+        buf = _REGISTRY.get(key) if isinstance(key, int) else None
+        if buf is None:
+            raise TransportError(f"loopback: producer {producer} shared no tensor under {desc!r}")
+        return buf
+
     def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
         key = self._peers.get(producer)
         buf = _REGISTRY.get(key) if key is not None else None
