@@ -78,7 +78,8 @@ class Processor:
 def _transport(name: str) -> tuple[str, dict]:
     """``cuda_ipc``, ``nccl:gloo`` (a backend); suffixes: ``+slots`` (the consumer reads through receive slots even
     where it could read the producer's ring directly), ``+checksums`` (xxh3 of every chunk, sent and verified),
-    ``+delta`` (delta sync on producers and consumers: ``ProducerConfig.delta``, ``Consumer(delta=True)``)."""
+    ``+delta`` (delta sync on producers and consumers: ``ProducerConfig.delta``, ``Consumer(delta=True)``), ``+packed``
+    (no source reads: every group packed into the ring, ``ProducerConfig.source_reads=False``)."""
     t, _, backend = name.split("+")[0].partition(":")
     return t, ({"backend": backend} if backend else {})
 
@@ -129,7 +130,7 @@ class GpuProducer:
                               transport_kwargs=kw, coordinator=coord, device=str(self.dev) if self.dev.type == "cuda"
                               else None, max_chunk_bytes=a.chunk_mb << 20, lookahead=a.lookahead, timeout_s=300,
                               lease_s=30, verify_checksums=True if "+checksums" in tname else None,
-                              delta="+delta" in tname)
+                              delta="+delta" in tname, source_reads=False if "+packed" in tname else None)
         self.prod = Producer(self.source, pcfg)
         return self.prod.address
 
@@ -141,7 +142,8 @@ class GpuProducer:
         c0 = time.process_time()
         r = profiled(self.args, f"producer{self.rank}", self.prod.sync, v)
         return {"cpu_s": time.process_time() - c0,  # host CPU seconds of this process (all its threads)
-                **{k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s")},
+                **{k: r[k] for k in ("seconds", "bytes_sent", "max_resident", "slot_wait_s", "gather_s", "pack_s",
+                                     "source_groups")},
                 **{k: v for k, v in r.items() if k.startswith("delta_")}}
 
     def teardown(self) -> None:
@@ -217,7 +219,7 @@ class GpuConsumer:
         r = profiled(self.args, self.cid, self.cons.sync, v)
         return {"cpu_s": time.process_time() - c0,
                 **{k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",
-                                     "transports", "ready_wait_s", "read_s", "direct_from")},
+                                     "transports", "ready_wait_s", "read_s", "direct_from", "source_groups")},
                 **{k: v for k, v in r.items() if k.startswith("delta_")}}
 
     def check(self, seed: int) -> dict:

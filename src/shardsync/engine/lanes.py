@@ -49,6 +49,14 @@ class Lane:
     def __exit__(self, *exc: Any) -> None:
         self._ctx.__exit__(*exc)
 
+    def record(self) -> Any:
+        """An event after the lane's queued work (None on CPU, where the work has run)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
     def fence(self, *, timeout_s: float, what: str) -> None:
         """Return once the lane's queued work has run; a GPU that does not finish it in time is an error."""
         if not self.cuda:

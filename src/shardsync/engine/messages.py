@@ -34,7 +34,8 @@ from ..errors import TransportError
 
 __all__ = ["MAX_ID", "MAX_REASON", "clip", "Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
            "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
-           "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready", "SourceTable",
+           "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
+           "SourceTable",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,9 +123,8 @@ class ProducerConfig:
     only the changes. Costs, on the ring's device: a delta area per ring slot (the ring doubles: ``ring_bytes``) and
     the history of served chunks (``delta_history_bytes``), plus an encode pass per chunk and its xxh3 checksum."""
     source_reads: bool | None = None
-    """Serve groups where the trainer's tensors lie (``engine/source_share.py``): a consumer on this GPU (``cuda_ipc``)
-    or in this process (``loopback``) scatters straight from them, with no pack pass and no ring slot, from the second
-    sync on, for tensors that stay the same objects. None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
+    """Serve groups where the trainer's tensors lie to consumers that map this rank's memory (``source_share.py``: no
+    pack pass, no ring slot). None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
     delta_budget_bytes: int | None = None
     """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: twice
     the chunks. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
@@ -161,12 +161,7 @@ class Producer(ServedVersions):
         self.lane = Lane(cfg.device)
         wanted = cfg.verify_checksums if cfg.verify_checksums is not None else not (self.lane.cuda or cfg.source_reads)
         self.checksums = wanted and not cfg.mac
-        can = hasattr(self.transport, "share") and not (self.checksums or cfg.mac or cfg.delta)
-        if cfg.source_reads and not can:
-            raise SyncError(f"producer {cfg.rank}: source_reads needs a transport that shares memory (cuda_ipc, "
-                            "loopback) and no checksums, mac or delta")
-        self.shares = SourceShare(self.transport, rank=cfg.rank) \
-            if can and (cfg.source_reads or (cfg.source_reads is None and self.lane.cuda)) else None
+        self.shares = SourceShare.configured(cfg, self.transport, gpu=self.lane.cuda, checksums=self.checksums)
         """Source reads (``ProducerConfig.source_reads``), when on."""
         """Whether this rank sends an xxh3 checksum with every chunk (``ProducerConfig.verify_checksums``; None: host
         rings; never with ``mac``, whose tags supersede them)."""
@@ -379,15 +374,11 @@ class Producer(ServedVersions):
             self.cv.notify_all()
         if getattr(e, "_shardsync_reported", False):
             return
-        try:  # within a lease: the coordinator may be what failed (stopped: it would not answer at all)
+        with suppress(Exception):  # within a lease: the coordinator may be what failed (stopped: it would not answer)
             self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why),
                              timeout_s=min(5.0, self.cfg.lease_s + 1))
-        except Exception:
-            pass
-        try:
+        with suppress(Exception):
             e._shardsync_reported = True  # type: ignore[attr-defined]
-        except Exception:
-            pass
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer
@@ -397,10 +388,8 @@ class Producer(ServedVersions):
             time.sleep(0.002)
 
     def close(self) -> None:
-        try:
+        with suppress(Exception):  # already reported to the coordinator and the consumers; not raised again
             self.wait_pending()
-        except Exception:
-            pass  # already reported to the coordinator and the consumers; closing must not raise it again
         self._drain()
         if self.heartbeat is not None:
             self.heartbeat.stop()

@@ -56,8 +56,10 @@ Consumer (one inference engine), per sync:
    behind a later group, and every sync finishes: pulling from every producer at once cannot deadlock.
 10. Apply. A group whose every producer's part has landed goes to the one apply thread (unpack → scatter
     into the engine's buffers → the engine's per-layer processing), which overlaps the pulls; groups may
-    complete out of transfer order (PP stages in parallel). Its receive slot is freed once it has been
-    applied (on a GPU: once the apply's side-stream work has run, an event, not a device synchronize).
+    complete out of transfer order (PP stages in parallel). Its receive slot is freed (read directly: the group
+    released) once it has been applied (on a GPU: once the apply's side-stream work has run, an event, not a
+    device synchronize). Up to ``applier.DEPTH`` applies are queued on the GPU before the oldest is waited for,
+    and the oldest is waited for whenever no new group has landed: slots never wait on a group still queued.
 
     ls = lockstep(source.groups(), needs={"model.layers.0": {...names}}, held=None, nbytes=nbytes)
     ls.order     # plan groups in packing order

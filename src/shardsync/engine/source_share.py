@@ -27,7 +27,7 @@ import msgspec
 import torch
 
 from . import messages as m
-from ..errors import TransportError
+from ..errors import SyncError, TransportError
 
 __all__ = ["SourceShare"]
 
@@ -43,6 +43,17 @@ class SourceShare:
         self._bad: tuple[int, frozenset[int]] = (-1, frozenset())
         self.served = 0
         """Groups served by their source tensors (summed over syncs)."""
+
+    @classmethod
+    def configured(cls, cfg: Any, transport: Any, *, gpu: bool, checksums: bool) -> "SourceShare | None":
+        """The producer's source reads per ``ProducerConfig.source_reads`` (None: on for a GPU ring, where they can
+        be); SyncError when asked for where they cannot be."""
+        can = hasattr(transport, "share") and not (checksums or cfg.mac or cfg.delta)
+        if cfg.source_reads and not can:
+            raise SyncError(f"producer {cfg.rank}: source_reads needs a transport that shares memory (cuda_ipc, "
+                            "loopback) and no checksums, mac or delta")
+        on = cfg.source_reads if cfg.source_reads is not None else gpu
+        return cls(transport, rank=cfg.rank) if can and on else None
 
     def table(self, group: str, names: list[str], kept: dict[str, torch.Tensor], same: Any, schedule: Any,
               hits: set[int]) -> bytes | None:
