@@ -167,9 +167,10 @@ def test_forged_source_tables_are_refused_naming_the_tensor() -> None:
     try:
         desc = t.share(w)
         op = SourceOpener(t, metas, who="consumer c")
-        got = op.tensors(0, "g", _table([desc], [("w", 0, 0)]), {"w"})
-        assert torch.equal(got["w"], w)
-        assert op.tensors(0, "g", _table([desc], [("w", 0, 0)]), {"w"}) is got  # the same bytes: kept
+        got = op.tensors(0, "g", _table([desc], [("w", 0, 0)]), lambda: {"w"})
+        assert torch.equal(got.tensors["w"], w)
+        assert op.tensors(0, "g", _table([desc], [("w", 0, 0)]), lambda: {"w"}) is got  # the same bytes: kept
+        assert op.tensors(0, "h", _table([desc], [("w", 0, 0)]), lambda: {"w"}).serial != got.serial
         bad = {
             "does not decode": b"\x93garbage",
             "names no tensor": _table([desc], [("x", 0, 0)]),
@@ -182,6 +183,27 @@ def test_forged_source_tables_are_refused_naming_the_tensor() -> None:
         }
         for i, (why, blob) in enumerate(bad.items()):
             with pytest.raises(SyncError, match=why):
-                op.tensors(0, f"g{i}", blob, {"w"})
+                op.tensors(0, f"g{i}", blob, lambda: {"w"})
     finally:
         t.close()
+
+
+def test_sources_scatter_the_bytes_a_packed_buffer_does_and_a_missing_one_is_named() -> None:
+    from shardsync.plan.pack import ChunkParts, GroupUnpacker, Sources, layout_group
+
+    from test_direct_reads import _group_and_bytes
+
+    z, g, buf = _group_and_bytes(CFG)
+    full = dict(hf_state_dict(CFG, seed=3))
+    lay = layout_group(g)
+    ref = {n: torch.full_like(t, 7) for n, t in z.params.items()}
+    GroupUnpacker(g, lay).unpack(buf, ref)
+    for serial in (None, 5):
+        got = {n: torch.full_like(t, 7) for n, t in z.params.items()}
+        u = GroupUnpacker(g, lay)
+        for _ in range(3):  # built, cached, replayed
+            u.unpack(ChunkParts([(c, Sources(full, serial)) for c in lay.chunks]), got)
+        assert all(torch.equal(ref[n].view(torch.uint8), got[n].view(torch.uint8)) for n in ref)
+        short = {n: t for n, t in full.items() if n != g.scatters[-1].src}
+        with pytest.raises(SyncError, match="source tensor .* missing"):
+            GroupUnpacker(g, lay).unpack(ChunkParts([(c, Sources(short, serial)) for c in lay.chunks]), got)

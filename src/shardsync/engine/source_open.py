@@ -13,13 +13,13 @@ producer re-sends the same bytes. Then, by how the consumer reads that producer:
 The storages stay mapped while some table still names them (``prune`` after each sync)::
 
     opener = SourceOpener(transport, metas)
-    full = opener.tensors(p, "model.layers.3", ready.sources, need={"model.layers.3.mlp.up_proj.weight", ...})
+    full = opener.tensors(p, "model.layers.3", ready.sources, need=lambda: {"model.layers.3.mlp.up_proj.weight"})
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import torch
@@ -41,13 +41,15 @@ class SourceOpener:
         self.transport, self.who = transport, who
         self.metas = {x.name: x for x in metas}
         self._storages: dict[tuple[int, bytes], torch.Tensor] = {}
-        self._tables: dict[tuple[int, str], tuple[bytes, dict[str, torch.Tensor], list[tuple[int, bytes]]]] = {}
+        self._tables: dict[tuple[int, str], tuple[bytes, Sources, list[tuple[int, bytes]]]] = {}
+        self._serial = 0
         self._packers: dict[str, GroupPacker] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
 
-    def tensors(self, p: int, group: str, blob: bytes, need: set[str]) -> dict[str, torch.Tensor]:
-        """Producer ``p``'s full tensors of ``group`` (at least ``need``), mapped here; SyncError naming what is
+    def tensors(self, p: int, group: str, blob: bytes, need: Callable[[], set[str]]) -> Sources:
+        """Producer ``p``'s full tensors of ``group`` (at least ``need()``), mapped here, as :class:`Sources` with a
+        serial of their own (the same object while the producer re-sends the same bytes); SyncError naming what is
         wrong with a table that does not check out."""
         hit = self._tables.get((p, group))
         if hit is not None and hit[0] == blob:
@@ -74,10 +76,13 @@ class SourceOpener:
                 raise SyncError(f"{where}: tensor {name!r} ({meta.dtype}{list(meta.shape)}, {n} bytes) at byte {off} "
                                 f"does not fit its {buf.numel()}-byte storage aligned to {dt.itemsize}")
             out[name] = buf[off: off + n].view(dt).view(meta.shape)
-        if need - out.keys():
-            raise SyncError(f"{where} lacks tensors the group's scatters read: {sorted(need - out.keys())[:3]}")
-        self._tables[(p, group)] = (blob, out, keys)
-        return out
+        lacking = need() - out.keys()
+        if lacking:
+            raise SyncError(f"{where} lacks tensors the group's scatters read: {sorted(lacking)[:3]}")
+        self._serial += 1
+        src = Sources(out, self._serial)
+        self._tables[(p, group)] = (blob, src, keys)
+        return src
 
     def _open(self, p: int, key: tuple[int, bytes], desc: dict[str, Any], where: str) -> torch.Tensor:
         t = self._storages.get(key)
@@ -122,13 +127,13 @@ def read_sources(pl: Puller, ready: m.Ready) -> int:
                         f"transport {c.transport.name!r} cannot map here (set ProducerConfig.source_reads=False)")
     chunks = [(ci, chunk) for ci, chunk, *_ in pl.announced(ready)]
     gp = c.plan.group(group)
-    need = {s.src for _, ch in chunks for s in gp.scatters[ch.first:ch.stop]}
-    full = opener.tensors(p, group, ready.sources, need)
+    full = opener.tensors(p, group, ready.sources, lambda: {s.src for _, ch in chunks
+                                                             for s in gp.scatters[ch.first:ch.stop]})
     got = sum(ch.nbytes for _, ch in chunks)
     with rnd._lock:
         rnd.sourced += 1
     if c.held is None and p in rnd.direct:
-        rnd.read_directly(p, group, [(ch, Sources(full)) for _, ch in chunks])
+        rnd.read_directly(p, group, [(ch, full) for _, ch in chunks])
         return got
     pk = opener.packer(group, c.plan, c.layouts[group])
     if c.held is not None:  # a delta consumer: the chunk's dense bytes into its held copy
@@ -143,13 +148,13 @@ def read_sources(pl: Puller, ready: m.Ready) -> int:
     dev = dsts[0][1].device if dsts else torch.device("cpu")
     if dev.type != "cuda":
         for ch, dst in dsts:
-            pk.pack(full, dst, ch, base=ch.start)
+            pk.pack(full.tensors, dst, ch, base=ch.start)
     else:  # this puller's own stream (the apply runs on the lane meanwhile), waited for with a deadline
         s = opener.stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for ch, dst in dsts:
-                pk.pack(full, dst, ch, base=ch.start)
+                pk.pack(full.tensors, dst, ch, base=ch.start)
             ev = torch.cuda.Event()
             ev.record(s)
         wait_event(ev, timeout_s=c.timeout_s, what=f"consumer {c.id}: packing group {group!r} from producer {p}'s "

@@ -41,6 +41,7 @@ class SourceShare:
         """Group -> (the record serials of its batches, its encoded table; None: it cannot be served so)."""
         self._batch_of: tuple[Any, dict[str, int]] = (None, {})
         self._bad: tuple[int, frozenset[int]] = (-1, frozenset())
+        self._group_batches: dict[str, list[int]] = {}
         self.served = 0
         """Groups served by their source tensors (summed over syncs)."""
 
@@ -60,16 +61,15 @@ class SourceShare:
         """The encoded :class:`~shardsync.engine.messages.SourceTable` of ``group``'s tensors ``names`` (this
         rank's ``kept`` ones), or None when the group must be packed. ``hits``: the batches that held the same
         objects as last sync, this sync."""
-        bo = self.batch_of(schedule)
-        batches = sorted({bo[n] for n in names})
-        if not names or not set(batches) <= hits:
+        batches = self.batches_of(group, names, schedule)
+        if not names or not hits.issuperset(batches):
             return None
         serials = tuple(same.spans[b][0] for b in batches)
         cached = self._tables.get(group)
         if cached is not None and cached[0] == serials:
             return cached[1]
         blob = None
-        if not set(batches) & self.overlapping(same):
+        if not self.overlapping(same).intersection(batches):
             try:
                 blob = self._encode(names, kept)
             except TransportError:
@@ -77,11 +77,17 @@ class SourceShare:
         self._tables[group] = (serials, blob)
         return blob
 
-    def batch_of(self, schedule: Any) -> dict[str, int]:
+    def batches_of(self, group: str, names: list[str], schedule: Any) -> list[int]:
+        """The gather batches ``names`` come from (once per group and schedule)."""
         if self._batch_of[0] is not schedule:
             self._batch_of = (schedule, {n: b for b, names in enumerate(schedule.batches) for n in names})
             self._tables.clear()
-        return self._batch_of[1]
+            self._group_batches.clear()
+        got = self._group_batches.get(group)
+        if got is None:
+            bo = self._batch_of[1]
+            got = self._group_batches[group] = sorted({bo[n] for n in names})
+        return got
 
     def overlapping(self, same: Any) -> frozenset[int]:
         """Batches whose kept tensors' memory overlaps another batch's (recomputed when a batch is re-recorded)."""

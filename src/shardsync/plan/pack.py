@@ -182,10 +182,13 @@ class Sources:
     place of its packed bytes inside :class:`ChunkParts`: the unpacker replays each scatter's op chain on them and
     copies straight into the parameters (one pass; the packed bytes would be the same values, converted the same)."""
 
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "serial")
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+    def __init__(self, tensors: Mapping[str, torch.Tensor], serial: int | None = None):
         self.tensors = tensors
+        self.serial = serial
+        """Given by an owner that keeps ``tensors`` alive and never changes them: a number it never gives other
+        tensors (the unpacker then checks only the parameters each call, not the sources)."""
 
 
 class GroupPacker:
@@ -257,7 +260,7 @@ class GroupUnpacker:
                 raise SyncError(f"group {self.g.name!r}: the parts to unpack cover scatters {spans}, not [0, {n})")
             for c, data in buf.parts:
                 if isinstance(data, Sources):
-                    self._unpack_sources(data.tensors, params, c)
+                    self._unpack_sources(data.tensors, params, c, data.serial)
                     continue
                 if data.numel() < c.nbytes or self.layout.offsets[c.first] != c.start:
                     raise SyncError(f"group {self.g.name!r}: a part of {data.numel()} bytes at group byte {c.start} "
@@ -281,27 +284,33 @@ class GroupUnpacker:
                 else:
                     rp.run(lambda s=steps: _run_steps(s), device=buf.device)
 
-    def _unpack_sources(self, full: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], c: Chunk) -> None:
+    def _unpack_sources(self, full: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], c: Chunk,
+                        serial: int | None) -> None:
         sc = self.g.scatters
         names = self._dests(c)
         srcs = self._srcs.get((c.first, c.stop))
         if srcs is None:
             srcs = self._srcs[(c.first, c.stop)] = list(dict.fromkeys(s.src for s in sc[c.first:c.stop]))
-        tensors = [*map(params.get, names), *map(full.get, srcs)]
+        tensors = list(map(params.get, names))
         if any(map(operator.is_, tensors, repeat(None))):
-            k = [t is None for t in tensors].index(True)
-            if k < len(names):
-                _param(params, names[k], self.g.name)
-            raise SyncError(f"group {self.g.name!r}: source tensor {srcs[k - len(names)]!r} missing")
+            _param(params, names[[t is None for t in tensors].index(True)], self.g.name)
+        if serial is None:  # sources the caller does not vouch for: checked like the parameters, every call
+            tensors += map(full.get, srcs)
+        missing = [n for n in srcs if n not in full] if serial is None else ()
+        if missing:
+            raise SyncError(f"group {self.g.name!r}: source tensor {missing[0]!r} missing")
 
         def build() -> object:
-            steps = self._program(None, params, c, 0, src=lambda i: replay(sc[i], full[sc[i].src]))
+            try:
+                steps = self._program(None, params, c, 0, src=lambda i: replay(sc[i], full[sc[i].src]))
+            except KeyError as e:
+                raise SyncError(f"group {self.g.name!r}: source tensor {e.args[0]!r} missing") from None
             fresh = any(sc[i].view is None and not _same_storage(v, full[sc[i].src])
                         for i, v in zip(range(c.first, c.stop), (x for st in steps for x in st[1])))
             return Uncacheable(steps) if fresh else steps
 
         with torch.no_grad():
-            steps, rp = self._views.get((c.first, c.stop, "sources"), tensors, build)
+            steps, rp = self._views.get((c.first, c.stop, "sources", serial), tensors, build)
             if rp is None:
                 _run_steps(steps)
             else:
