@@ -207,3 +207,14 @@ def test_sources_scatter_the_bytes_a_packed_buffer_does_and_a_missing_one_is_nam
         short = {n: t for n, t in full.items() if n != g.scatters[-1].src}
         with pytest.raises(SyncError, match="source tensor .* missing"):
             GroupUnpacker(g, lay).unpack(ChunkParts([(c, Sources(short, serial)) for c in lay.chunks]), got)
+
+
+def test_auto_shares_only_through_cuda_ipc() -> None:
+    from shardsync.errors import TransportError
+    from shardsync.transport.auto import AutoTransport
+
+    t = AutoTransport()
+    with pytest.raises(TransportError, match="CUDA tensors only"):
+        t.share(torch.zeros(4))
+    with pytest.raises(TransportError, match="not cuda_ipc"):
+        t.open_shared(0, {})

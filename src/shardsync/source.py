@@ -162,6 +162,11 @@ class ModuleSource(WeightSource):
                 yield n, self._get(n)
 
     def iter_groups(self) -> Iterator[Batch]:
+        if self._held is None and not self._dtensors:  # the common case at C speed: one map per batch
+            state = self._state
+            for group in self._groups:
+                yield list(group), list(map(state.__getitem__, group))
+            return
         get = self._get
         for group in self._groups:
             yield list(group), [get(n) for n in group]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -141,7 +142,6 @@ class ProducerSync:
     def _gather_and_pack(self) -> None:
         pr, ls, rank = self.pr, self.pr.schedule, self.pr.cfg.rank
         assert pr.ring is not None
-        self.by_name = {x.name: x for x in pr.metas}
         it = self._it = iter(self.source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
         same = pr.same_batches
@@ -158,7 +158,7 @@ class ProducerSync:
             if hit is not None:  # the same objects as last sync: its checks hold, take the kept ones by position
                 now, idx, knames = hit
                 hits.add(b)
-                kept.update(zip(knames, [tensors[i] for i in idx]))
+                kept.update(zip(knames, map(tensors.__getitem__, idx)))
             else:
                 now = self.check_batch(b, names, tensors, kept)
             self.gathered += now
@@ -184,10 +184,9 @@ class ProducerSync:
                 self.slot_wait_s += t4 - t3
                 self.pack_s += time.perf_counter() - t4
                 t3 = time.perf_counter()
-            for n in ls.drop_after[b]:
-                t = kept.pop(n, None)
-                if t is not None and pr.lane.cuda:
-                    dropped.append(t)
+            gone = list(map(kept.pop, ls.drop_after[b], repeat(None)))  # at C speed
+            if pr.lane.cuda:
+                dropped.extend(gone)
         self.lockstep_done = True
         self.batches_reused = same.hits - hits0
         pr.by_source = self.by_source
@@ -210,7 +209,7 @@ class ProducerSync:
                                            "this rank holds and serves")
                 shape, dt = pr._expect[n]
                 if t.shape != shape or t.dtype != dt:
-                    check_tensor(self.by_name[n], t, rank=rank)
+                    check_tensor(next(x for x in pr.metas if x.name == n), t, rank=rank)
                 c = kept[n] = t.contiguous()
                 own = own and c is t
                 idx.append(i)
@@ -259,7 +258,7 @@ class ProducerSync:
         with pr.cv:
             live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
             st.pending[g] = set().union(*(self.users[u.digest] for u in pr.units[g])) - st.dropped.keys()
-        self.sources_held[g] = [full[n] for n in pr.unit_sources[g]]
+        self.sources_held[g] = list(map(full.__getitem__, pr.unit_sources[g]))
         self.by_source.add(g)
         pr.shares.served += 1
         with pr.lane:  # the lane waits for the stream that wrote the weights; the announcement waits for the lane

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from itertools import repeat
 from typing import Callable
 
 import torch
@@ -33,7 +34,7 @@ class SameTensors:
     @staticmethod
     def signature(tensors: list) -> tuple:
         T = torch.Tensor
-        live = [t for t in tensors if t is not None]
+        live = [t for t in tensors if t is not None] if any(map(operator.is_, tensors, repeat(None))) else tensors
         return (list(map(id, tensors)), list(map(T.data_ptr, live)), list(map(T.stride, live)),
                 list(map(T.numel, live)))
 

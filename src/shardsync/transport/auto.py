@@ -82,6 +82,19 @@ class AutoTransport:
         view = getattr(self._use.get(producer), "view", None)
         return view(producer) if view is not None else None
 
+    def share(self, t: torch.Tensor) -> dict[str, Any]:
+        """Source reads (``engine/source_share.py``): a trainer tensor's storage, through ``cuda_ipc`` (only consumers
+        that chose it map it; the others say so and are sent packed groups)."""
+        if not t.is_cuda:
+            raise TransportError("auto shares CUDA tensors only (through cuda_ipc)")
+        return self._get("cuda_ipc").share(t)
+
+    def open_shared(self, producer: int, desc: dict[str, Any]) -> torch.Tensor:
+        if self.chosen.get(producer) != "cuda_ipc":
+            raise TransportError(f"auto: producer {producer} is read with {self.chosen.get(producer)!r}, not cuda_ipc: "
+                                 "its tensors cannot be mapped here")
+        return self._mine["cuda_ipc"].open_shared(producer, desc)
+
     def read(self, producer: int, offset: int, nbytes: int, into: torch.Tensor, *, timeout_s: float) -> None:
         t = self._use.get(producer)
         if t is None:
