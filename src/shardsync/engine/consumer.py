@@ -337,4 +337,5 @@ class Consumer:
             c.close()
         if hasattr(self, "coord"):
             self.coord.close()
+        self.sources = None  # the producers' mapped tensors are let go before the transport closes
         self.transport.close()
