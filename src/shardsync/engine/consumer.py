@@ -100,11 +100,11 @@ class Consumer:
             raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
                             f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
         self.delta = delta
-        self.sources: SourceOpener | None = None
-        """Source reads (``engine/source_open.py``): the producers' tensors mapped here, when the transport can."""
         """Delta sync (``engine/delta_recv.py``): keep a held copy of this consumer's packed chunks (its plan's
         packed bytes, on its device: ``stats["delta_held_bytes"]``) and read only the changed words where a producer
         with ``ProducerConfig.delta`` offers them against the version held; no receive slots, no direct reads."""
+        self.sources: SourceOpener | None = None
+        """Source reads (``engine/source_open.py``): the producers' tensors mapped here, when the transport can."""
         self.held: HeldChunks | None = None
         self.stats: dict[str, Any] = {}
         self.version = 0

@@ -243,6 +243,8 @@ class GroupUnpacker:
         self._views = _Views(cap=max(64, 8 * len(layout.chunks)))
         self._dsts: dict[tuple[int, int], list[str]] = {}
         """(first, stop) of a chunk -> the parameters its copies and fills write."""
+        self._serials: dict[tuple[int, int], tuple] = {}
+        """(first, stop) of a chunk -> the view-cache key of the sources it was last scattered from."""
         self._srcs: dict[tuple[int, int], list[str]] = {}
         """(first, stop) of a chunk -> the full tensors its scatters read (source reads)."""
 
@@ -309,8 +311,13 @@ class GroupUnpacker:
                         for i, v in zip(range(c.first, c.stop), (x for st in steps for x in st[1])))
             return Uncacheable(steps) if fresh else steps
 
+        key = (c.first, c.stop, "sources", serial)
+        old = self._serials.get((c.first, c.stop))
+        if old is not None and old != key:  # new sources: the old views (and the mappings they keep) go
+            self._views.by_key.pop(old, None)
+        self._serials[(c.first, c.stop)] = key
         with torch.no_grad():
-            steps, rp = self._views.get((c.first, c.stop, "sources", serial), tensors, build)
+            steps, rp = self._views.get(key, tensors, build)
             if rp is None:
                 _run_steps(steps)
             else:
