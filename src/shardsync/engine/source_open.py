@@ -79,9 +79,10 @@ class SourceOpener:
         lacking = need() - out.keys()
         if lacking:
             raise SyncError(f"{where} lacks tensors the group's scatters read: {sorted(lacking)[:3]}")
-        self._serial += 1
-        src = Sources(out, self._serial)
-        self._tables[(p, group)] = (blob, src, keys)
+        with self._lock:  # pullers of several producers call this at once: serials stay unique
+            self._serial += 1
+            src = Sources(out, self._serial)
+            self._tables[(p, group)] = (blob, src, keys)
         return src
 
     def _open(self, p: int, key: tuple[int, bytes], desc: dict[str, Any], where: str) -> torch.Tensor:

@@ -69,7 +69,10 @@ class CudaIpcTransport:
         ``t.storage_offset() * t.element_size()`` of it."""
         if not t.is_cuda:
             raise TransportError("cuda_ipc shares CUDA tensors only")
-        return _export(t)
+        try:
+            return _export(t)
+        except RuntimeError as e:  # say, an empty storage: that group is packed instead
+            raise TransportError(f"cuda_ipc: cannot share a {t.dtype} {list(t.shape)} tensor: {e}") from None
 
     def open_shared(self, producer: int, desc: dict[str, Any]) -> torch.Tensor:
         """Consumer: a storage producer ``producer`` shared (``share``), mapped here as a uint8 tensor over all of
