@@ -268,6 +268,13 @@ class Coordinator:
             self.cv.notify_all()
         return m.Ack()
 
+    def _on_Straggler(self, msg: m.Straggler) -> m.Msg:
+        with self.cv:
+            self.ms.producer(msg.rank, msg.incarnation)  # only a current producer rank drops a member
+            if self.ms.late(msg.version, msg.consumer, msg.session, f"producer {msg.rank}: {msg.reason}"):
+                self.cv.notify_all()
+        return m.Ack()
+
     def _on_Abandon(self, msg: m.Abandon) -> None:
         with self.cv:
             self.ms.abandon(msg.version, msg.consumer, msg.session, msg.reason)

@@ -13,6 +13,9 @@ The coordinator (hosted by producer 0) keeps this table; everything else learns 
    lease is live then. Consumers that (re)join later receive the next version.
 4. Dropped consumers stay in ``dead`` (bounded) so that every producer drops them from any version
    they are pending in, whichever producer learns it first.
+5. A straggler (a live member that held a group past ``ProducerConfig.straggler_s``) leaves that version only
+   (``left``, as if it had abandoned it): every producer drops it from the version, the version's outcome counts
+   it dropped, and it is a member of the next version like any consumer with a live lease.
 
     ms = Membership(lease_s=5.0)
     s = ms.hello("r0/tp0"); ms.register("r0/tp0", s, digest)
@@ -136,6 +139,18 @@ class Membership:
         self.left[(version, cid, session)] = clip(reason)
         while len(self.left) > _KEEP_DEAD:
             self.left.popitem(last=False)
+
+    def late(self, version: int, cid: str, session: str, reason: str) -> bool:
+        """A producer dropped a live member from ``version`` as a straggler (rule 5): it leaves that version only,
+        like an abandon, and stays a member of the group (it takes part in the next version). False if ``cid`` with
+        ``session`` is no member of ``version`` (a stale or forged report changes nothing)."""
+        v = self.versions.get(version)
+        if v is None or v.members.get(cid, ("", ""))[1] != session or cid in v.completed:
+            return False
+        self.left.setdefault((version, cid, session), clip(reason))
+        while len(self.left) > _KEEP_DEAD:
+            self.left.popitem(last=False)
+        return True
 
     def _drop(self, cid: str, session: str, reason: str) -> None:
         self.consumers.pop(cid, None)

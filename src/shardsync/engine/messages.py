@@ -4,7 +4,7 @@ Payloads are msgpack-encoded (never pickle) and decoded only as one of these typ
 and serves them over the authenticated framing of ``wire.py``). Who sends what:
 
 - producers <-> coordinator: ``Join``/``Joined``, ``GetAssignments``/``Assignments``, ``ProducerReady``,
-  ``SyncFailed``, ``AwaitVersion``/``Outcome``;
+  ``SyncFailed``, ``Straggler``, ``AwaitVersion``/``Outcome``;
 - consumers <-> coordinator: ``Hello``/``Welcome``, ``InitFailed``, ``RegisterPlan``/``Routes``,
   ``BeginSync``/``SyncView``, ``Completed``, ``Goodbye``; an orchestrator: ``Evict``;
 - every peer's heartbeat: ``Renew``/``Lease``;
@@ -33,7 +33,7 @@ import msgspec
 from ..errors import TransportError
 
 __all__ = ["MAX_ID", "MAX_REASON", "clip", "Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
-           "ProducerReady", "SyncFailed", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
+           "ProducerReady", "SyncFailed", "Straggler", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
            "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
            "SourceTable",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
@@ -115,6 +115,15 @@ class ProducerReady(_M):  # after (re-)registering its ring, at init (version -1
 class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
     rank: int
     version: int
+    reason: str
+
+
+class Straggler(_M):  # producer -> coordinator: a live member held a group past ``straggler_s``; out of this version
+    rank: int
+    incarnation: int
+    version: int
+    consumer: Id
+    session: Id
     reason: str
 
 
@@ -293,8 +302,8 @@ class Published(_M):
     """The weight version it is about to serve (or last served)."""
 
 
-Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Hello, Welcome,
-            InitFailed, RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease,
+Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Straggler, Hello,
+            Welcome, InitFailed, RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease,
             WaitReady, Pending, Ready, Released, Abandon, Goodbye, Evict, Lookup, Published]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Msg)

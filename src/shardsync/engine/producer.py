@@ -8,11 +8,17 @@ start and failure:
 1. A sync serves the consumers that are members of its version (fixed by the coordinator when the
    version begins: registered, lease live); a member that abandons the version, says goodbye or lets its
    lease expire (``lease_s``: the detection bound) is dropped, and the sync's result names who and why.
-2. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
+2. A straggler — a member whose lease is live but that has not released a group ``straggler_s`` after it was
+   announced (a hung engine worker, a generation the framework did not interrupt, a peer that went idle) — is
+   dropped from that version as a dead one is: no ring slot, version or healthy engine is held hostage by one
+   member. It stays a member of the group; its late ``WaitReady`` or ``Released`` for that version is refused
+   (``ConsumerDropped``: what it read may have been overwritten), so it is torn only if it had applied part of the
+   version, and it takes part in the next version.
+3. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
    :class:`ProducerLost` / :class:`SyncError`; consumers then keep their previous complete version.
    Every wait is bounded by ``timeout_s`` and names what it waited for. A failure is made known to the
    coordinator (``SyncFailed``) and to every consumer waiting on the version before it is raised.
-3. ``sync`` returns the version's outcome, not only this rank's part: once this rank's slots are all
+4. ``sync`` returns the version's outcome, not only this rank's part: once this rank's slots are all
    released it waits until every member has completed the version (all groups, from every producer) or
    been dropped; a version that failed anywhere raises here on every rank.
 
@@ -46,7 +52,7 @@ from .source_share import SourceShare
 from .units import build_units
 from .versions import ServedVersions, VersionState
 from .wire import DEFAULT_MAX_FRAME, parse_address
-from ..errors import SyncError
+from ..errors import ConsumerDropped, SyncError
 from ..plan.pack import DEFAULT_CHUNK_BYTES
 from ..source import WeightSource
 from ..sources.adapt import adapt
@@ -85,6 +91,10 @@ class ProducerConfig:
     """Bound on init waits (peers start engines, record and validate plans: slower than a sync)."""
     lease_s: float = 10.0
     """A peer that sends no heartbeat for this long is dead: the bound on detecting a dead consumer/producer."""
+    straggler_s: float | None = None
+    """A member that has not released a group this long after it was announced is dropped from that version (rule 2
+    above; it receives the next one). None: three leases, at least 5 s, at most half of ``timeout_s``. Bounds one
+    group's pull and apply on a healthy engine: raise it for engines whose per-layer processing is slow."""
     min_consumers: int | None = None
     """Init quorum (default: all ``n_consumers``); with fewer, init proceeds after ``join_grace_s``."""
     join_grace_s: float = 30.0
@@ -200,6 +210,10 @@ class Producer(ServedVersions):
                     return m.Ack()
                 self._member(st, msg.consumer, msg.session, msg.version)
                 if isinstance(msg, m.Released):
+                    if msg.consumer in st.dropped:  # its slot may hold another group by now: what it read is suspect
+                        raise ConsumerDropped(f"producer {self.cfg.rank}: release of group {msg.group!r} refused: "
+                                              f"consumer {msg.consumer!r} was dropped from version {msg.version}: "
+                                              f"{st.dropped[msg.consumer]}")
                     st.pending.get(msg.group, set()).discard(msg.consumer)
                 else:
                     if msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all

@@ -269,10 +269,7 @@ class ProducerSync:
             for u in pr.units[g]:
                 r = ready.setdefault(u.digest, m.Ready(version=self.version, group=g, chunks=[], sources=blob))
                 r.chunks.append([u.chunk.index, -1, u.chunk.nbytes, -1])
-            with pr.cv:
-                st.ready[g] = ready
-                st.packed.append(g)
-                pr.cv.notify_all()
+            pr.announce(st, g, ready)
 
         self.pub.submit(announce, what=f"serving group {g!r} from its source tensors", hold=hold)
         return sum(u.chunk.nbytes * len(live.get(u.digest, ())) for u in pr.units[g])
@@ -318,17 +315,14 @@ class ProducerSync:
                 if pr.chunk_key is not None:
                     r.tags.append(chunk_tag(pr.chunk_key, producer=pr.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))
-            with pr.cv:
-                st.ready[g] = ready
-                st.packed.append(g)
-                pr.cv.notify_all()
+            pr.announce(st, g, ready)
 
         self.pub.submit(announce, what=f"packing group {g!r}", hold=hold)
         return sent
 
     def outcome(self) -> m.Outcome:
         """A sync returns the VERSION's outcome, not only this rank's part: every member completed (all groups, from
-        every producer) or was dropped — or the version failed, which is raised here too (``producer.py`` rule 3)."""
+        every producer) or was dropped — or the version failed, which is raised here too (``producer.py`` rule 4)."""
         pr, st, version, cfg = self.pr, self.st, self.version, self.pr.cfg
         deadline = time.monotonic() + cfg.timeout_s
         while True:

@@ -36,7 +36,8 @@ Producer (one trainer rank), per sync:
    (``Ready``) once its pack has run (on a GPU a publisher thread waits for the pack's event,
    ``publish.py``) and the gather thread moves on to g+1. Producers of different PP stages serve at once.
 7. A ring slot is freed when every member routed to its group has sent ``Released`` or has been dropped (it
-   abandoned the version, said goodbye, or its lease expired): nothing waits for a dead consumer.
+   abandoned the version, said goodbye, its lease expired, or it held the group ``straggler_s`` past its
+   announcement): nothing waits for a dead or a straggling consumer.
 
 Consumer (one inference engine), per sync:
 

@@ -1,15 +1,17 @@
 """The producer's per-version serving state: who is a member of each version, which groups are packed and
-unreleased (a slot is freed by ``engine/schedule.py``'s rule 7), who was dropped and why (rules 1-2 of
-``engine/producer.py``), and the ``WaitReady`` answers.
+unreleased (a slot is freed by ``engine/schedule.py``'s rule 7), who was dropped and why (rules 1-3 of
+``engine/producer.py``: dead, abandoning and straggling members), and the ``WaitReady`` answers.
 
 ``ServedVersions`` is a mixin of :class:`~shardsync.engine.producer.Producer`: it needs ``cfg`` (rank,
-lease_s, timeout_s), ``cv`` (the condition every state change notifies), ``versions`` (version ->
+lease_s, timeout_s, straggler_s), ``client`` (to the coordinator), ``cv`` (the condition every state change notifies), ``versions`` (version ->
 :class:`VersionState`), and ``coordinator`` / ``heartbeat`` (the lease view it prunes by).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ class VersionState:
     pending: dict[str, set[str]] = field(default_factory=dict)  # group -> consumers yet to release
     dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
     dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
+    announced: dict[str, float] = field(default_factory=dict)  # group -> when it was announced (time.monotonic())
     failed: str = ""
     done: bool = False
     incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
@@ -40,6 +43,8 @@ class ServedVersions:
     versions: dict[int, VersionState]
     coordinator: Any
     heartbeat: Any
+    client: Any
+    """The control client to the coordinator (straggler reports)."""
     reads_sources: dict[str, bool]
     """Consumer -> whether its last ``WaitReady`` said it maps this producer's memory (source reads)."""
 
@@ -93,6 +98,51 @@ class ServedVersions:
                 return g
         return ""
 
+    def announce(self, st: VersionState, g: str, ready: dict[str, m.Ready]) -> None:
+        """Group ``g`` may be pulled (its ``Ready`` per plan digest); its members' straggler clocks start now."""
+        with self.cv:
+            st.ready[g] = ready
+            st.packed.append(g)
+            st.announced[g] = time.monotonic()
+            self.cv.notify_all()
+
+    def straggler_bound(self) -> float:
+        """Seconds a member may hold an announced group before it is dropped from the version
+        (``ProducerConfig.straggler_s``; default three leases, at least 5 s, at most half of ``timeout_s``)."""
+        cfg = self.cfg
+        if cfg.straggler_s is not None:
+            return cfg.straggler_s
+        return min(max(3 * cfg.lease_s, 5.0), cfg.timeout_s / 2)
+
+    def _drop_stragglers(self, version: int, st: VersionState) -> None:
+        """Rule 3 of ``producer.py``: a member that has not released a group ``straggler_bound()`` after it was
+        announced is dropped from this version (its slot is reclaimed) and the coordinator is told, so the other
+        producers drop it too and the version's outcome counts it; it stays a member of the group."""
+        bound, now, late = self.straggler_bound(), time.monotonic(), []
+        for g, t in st.announced.items():
+            if now - t <= bound or not st.pending.get(g):
+                continue
+            for cid in sorted(st.pending[g]):
+                why = (f"straggler: held group {g!r} of version {version} for {now - t:.1f} s after it was announced, "
+                       f"past straggler_s={bound:g}")
+                self._drop(st, cid, why)
+                late.append(m.Straggler(rank=self.cfg.rank, incarnation=getattr(self, "incarnation", 0),
+                                        version=version, consumer=cid, session=st.members[cid][1], reason=why))
+        if late:
+            self.report_stragglers(late)
+
+    def report_stragglers(self, msgs: list[m.Straggler]) -> None:
+        """Tell the coordinator, in the background (called with ``cv`` held) and best effort: without it the other
+        producers still drop the straggler by their own clocks, and the outcome waits for it at most ``timeout_s``."""
+        client, bound = self.client, min(5.0, self.cfg.lease_s + 1)
+
+        def tell() -> None:
+            for msg in msgs:
+                with suppress(Exception):
+                    client.call(msg, timeout_s=bound)
+
+        threading.Thread(target=tell, name=f"shardsync-straggler-p{self.cfg.rank}", daemon=True).start()
+
     def _drop(self, st: VersionState, cid: str, why: str) -> None:
         if cid in st.members and cid not in st.dropped:
             st.dropped[cid], st.dropped_at[cid] = why, time.time()
@@ -118,6 +168,8 @@ class ServedVersions:
         why = view["failed"].get(version)
         if why:
             raise SyncError(f"producer {self.cfg.rank}: version {version} failed: {why}")
+        if not st.done:
+            self._drop_stragglers(version, st)
 
     def _wait(self, pred, what, version: int, st: VersionState) -> None:
         deadline = time.monotonic() + self.cfg.timeout_s

@@ -5,7 +5,8 @@ producer (:class:`TrainerProc`) or one zoo consumer (:class:`ConsumerProc`). The
 A failed sync is an answer, not the end of the process (``{"error": ...}``): the run goes on, as a real one
 would. Fault injection is real: ``sync(v, {"die_at_chunk": k})`` makes the process SIGKILL itself right after
 its k-th chunk read, ``{"die_at_apply": k}`` in the middle of applying its k-th group, ``{"die_after_groups": k}``
-(producer) after gathering its k-th group, ``{"flip_at_chunk": k}`` flips a bit of the k-th chunk as it lands,
+(producer) after gathering its k-th group, ``{"flip_at_chunk": k}`` flips a bit of the k-th chunk as it lands, ``{"stall_at_chunk": k, "stall_s": t}`` stops
+for ``t`` seconds after its k-th chunk read while its heartbeat keeps the lease (a straggler),
 ``{"replay": "record"}`` starts keeping every chunk that passes its check and ``{"replay": "version"}`` (``"group"``,
 ``"producer"``) then has one chunk arrive as a kept one from an earlier version (another group, another producer),
 with its tag (``tamper.ChunkReplay``; ``replayed`` in the answer), ``{"fail_at_begin": True}`` (producer) fails this
@@ -152,6 +153,11 @@ class ConsumerProc:
                     del self.faults["flip_at_chunk"]
                     into[n // 2] ^= 1  # one bit, in transit
             _countdown(self.faults, "die_at_chunk")
+            if "stall_at_chunk" in self.faults:  # a straggler: alive (its heartbeat renews the lease), not pulling
+                self.faults["stall_at_chunk"] -= 1
+                if self.faults["stall_at_chunk"] <= 0:
+                    del self.faults["stall_at_chunk"]
+                    time.sleep(self.faults.pop("stall_s", 10.0))
 
         self.consumer.transport.read = counting_read  # type: ignore[method-assign]
         self.holds = {"version": 0, "torn": False}  # what the live model holds: the last sync that wrote it
