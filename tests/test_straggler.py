@@ -66,3 +66,16 @@ def test_member_hung_mid_pull_is_dropped_torn_only_if_it_applied() -> None:
         _dropped_as_straggler(r)
         r = cl.sync(3, tolerate=True)
         assert r["exact"], [(c["consumer"], c.get("error"), c["mismatched"][:3]) for c in r["consumers"]]
+
+
+def test_chaos_stragglers_never_fail_the_healthy() -> None:
+    """``shardsync chaos --kinds straggler``: every version a straggler was dropped from completes, exact, on every
+    other consumer; no deadlock, nothing torn served or mismatched, the stragglers exact at their next sync."""
+    from shardsync.tools.chaos import run_chaos
+
+    out = run_chaos(kills=3, seed=5, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=("straggler",))
+    assert out["by_kind"] == {"straggler": 3} and out["syncs"] == 4, out
+    assert out["deadlocks"] == 0 and out["torn_served"] == 0 and out["mismatched"] == 0, out
+    assert out["unexpected_failures"] == 0 and out["lost_bytes"] == 0 and out["rejoined_mismatched"] == 0, out
+    assert out["straggler_versions"] == out["straggler_healthy_complete"] == 3, out
+    assert out["rejoined_exact"] >= 1, out

@@ -9,7 +9,7 @@ start and failure:
    version begins: registered, lease live); a member that abandons the version, says goodbye or lets its
    lease expire (``lease_s``: the detection bound) is dropped, and the sync's result names who and why.
 2. A straggler — a member whose lease is live but that has not released a group ``straggler_s`` after it was
-   announced (a hung engine worker, a generation the framework did not interrupt, a peer that went idle) — is
+   announced, nor any other group of this rank in that time (a hung engine worker, a generation the framework did not interrupt, a peer that went idle) — is
    dropped from that version as a dead one is: no ring slot, version or healthy engine is held hostage by one
    member. It stays a member of the group; its late ``WaitReady`` or ``Released`` for that version is refused
    (``ConsumerDropped``: what it read may have been overwritten), so it is torn only if it had applied part of the
@@ -92,9 +92,10 @@ class ProducerConfig:
     lease_s: float = 10.0
     """A peer that sends no heartbeat for this long is dead: the bound on detecting a dead consumer/producer."""
     straggler_s: float | None = None
-    """A member that has not released a group this long after it was announced is dropped from that version (rule 2
-    above; it receives the next one). None: three leases, at least 5 s, at most half of ``timeout_s``. Bounds one
-    group's pull and apply on a healthy engine: raise it for engines whose per-layer processing is slow."""
+    """A member that has not released a group this long after it was announced, nor any other group of this rank in
+    that time, is dropped from that version (rule 2 above; it receives the next one). None: three leases, at least
+    10 s, at most half of ``timeout_s``. It bounds how long after the trainer's ``sync`` an engine starts pulling and
+    one group's pull (and, for direct reads, apply): raise it for engines that are slow to start an update."""
     min_consumers: int | None = None
     """Init quorum (default: all ``n_consumers``); with fewer, init proceeds after ``join_grace_s``."""
     join_grace_s: float = 30.0
@@ -215,6 +216,7 @@ class Producer(ServedVersions):
                                               f"consumer {msg.consumer!r} was dropped from version {msg.version}: "
                                               f"{st.dropped[msg.consumer]}")
                     st.pending.get(msg.group, set()).discard(msg.consumer)
+                    st.released_at[msg.consumer] = time.monotonic()
                 else:
                     if msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all
                         st.failed = st.failed or (f"consumer {msg.consumer} lost producer {msg.lost_producer}: "

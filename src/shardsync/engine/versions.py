@@ -32,6 +32,7 @@ class VersionState:
     dropped: dict[str, str] = field(default_factory=dict)  # consumer -> why
     dropped_at: dict[str, float] = field(default_factory=dict)  # consumer -> when (time.time())
     announced: dict[str, float] = field(default_factory=dict)  # group -> when it was announced (time.monotonic())
+    released_at: dict[str, float] = field(default_factory=dict)  # consumer -> its last Released here (monotonic)
     failed: str = ""
     done: bool = False
     incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
@@ -108,23 +109,26 @@ class ServedVersions:
 
     def straggler_bound(self) -> float:
         """Seconds a member may hold an announced group before it is dropped from the version
-        (``ProducerConfig.straggler_s``; default three leases, at least 5 s, at most half of ``timeout_s``)."""
+        (``ProducerConfig.straggler_s``; default three leases, at least 10 s, at most half of ``timeout_s``)."""
         cfg = self.cfg
         if cfg.straggler_s is not None:
             return cfg.straggler_s
-        return min(max(3 * cfg.lease_s, 5.0), cfg.timeout_s / 2)
+        return min(max(3 * cfg.lease_s, 10.0), cfg.timeout_s / 2)
 
     def _drop_stragglers(self, version: int, st: VersionState) -> None:
-        """Rule 3 of ``producer.py``: a member that has not released a group ``straggler_bound()`` after it was
-        announced is dropped from this version (its slot is reclaimed) and the coordinator is told, so the other
+        """Rule 2 of ``producer.py``: a member that has not released a group ``straggler_bound()`` after it was
+        announced, nor any other group here in that time, is dropped from this version (its slot is reclaimed) and the coordinator is told, so the other
         producers drop it too and the version's outcome counts it; it stays a member of the group."""
         bound, now, late = self.straggler_bound(), time.monotonic(), []
         for g, t in st.announced.items():
             if now - t <= bound or not st.pending.get(g):
                 continue
             for cid in sorted(st.pending[g]):
+                idle = now - max(t, st.released_at.get(cid, t))  # a member releasing other groups is progressing
+                if idle <= bound:
+                    continue
                 why = (f"straggler: held group {g!r} of version {version} for {now - t:.1f} s after it was announced, "
-                       f"past straggler_s={bound:g}")
+                       f"{idle:.1f} s without a release here, past straggler_s={bound:g}")
                 self._drop(st, cid, why)
                 late.append(m.Straggler(rank=self.cfg.rank, incarnation=getattr(self, "incarnation", 0),
                                         version=version, consumer=cid, session=st.members[cid][1], reason=why))

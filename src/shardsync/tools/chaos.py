@@ -12,6 +12,9 @@ kind                   what happens (all real: SIGKILL / SIGSTOP of a process, h
 ``pause``              a consumer is SIGSTOPped past its lease for one sync, then resumed (it rejoins)
 ``producer_kill``      producer 1 kills itself after gathering a random group; restarted after the sync
 ``restart``            a consumer is killed and restarted at once (same id: replaces its old session)
+``straggler``          a live consumer stops pulling (never asked to sync, or hung after a random chunk read past
+                       ``straggler_s``) while its heartbeat keeps its lease: it is dropped from that version only,
+                       every other consumer completes it, and it is exact at its next sync
 ``forged_plan``        a peer with the token registers plans with a non-allow-listed op / out-of-bounds view
 ``wrong_token``        a peer connects with a wrong token
 ``oversized_frame``    a peer announces a 4 GiB control frame
@@ -57,8 +60,8 @@ from .harness.hosts import Hosted, HostedDied
 from .output import emit_json
 from ..zoo import ZooConfig
 
-KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "forged_plan",
-         "wrong_token", "oversized_frame", *BOUNDED)
+KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "straggler",
+         "forged_plan", "wrong_token", "oversized_frame", *BOUNDED)
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
 VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill")
 ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
@@ -71,6 +74,8 @@ class _Tally:
         self.refused_torn = self.rejoined_exact = self.rejoined_mismatched = self.unexpected = 0
         self.detect: list[float] = []
         self.lost_bytes = 0
+        self.straggler_versions = self.straggler_healthy_complete = 0
+        """Versions a straggler was dropped from; of those, the ones every other live consumer completed exact."""
         self.notes: list[str] = []
 
 
@@ -82,8 +87,10 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
     t_start = time.monotonic()
     tally = _Tally()
     rejoining: set[str] = set()
+    straggler_s = 2 * lease_s
     with LocalCluster(cfg, producers=producers, replicas=replicas, tp=tp, lease_s=lease_s, timeout_s=8 * lease_s,
-                      max_chunk_bytes=32 << 10, verify_checksums=True) as cl:
+                      max_chunk_bytes=32 << 10, verify_checksums=True,
+                      producer_extra={"straggler_s": straggler_s}) as cl:
         n_reads = 6  # every consumer reads at least one chunk per group (pre, 4 layers, post)
         v = 0
         for i in range(kills):
@@ -95,6 +102,7 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
             faults: dict[Any, dict] = {}
             t_fault = None
             after: list[Any] = []
+            skip: set[Any] = set()
             if kind == "kill_between":
                 t_fault = cl.kill(victim)
                 after = [("restart", victim)]
@@ -116,13 +124,19 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
                 cl.kill(victim)
                 cl.restart(victim)
                 rejoining.add(victim)
+            elif kind == "straggler":  # alive, lease renewed, not pulling: idle all sync, or hung mid-pull
+                if rng.random() < 0.5:
+                    skip.add(victim)
+                else:
+                    faults[victim] = {"stall_at_chunk": rng.randint(1, n_reads), "stall_s": 3 * straggler_s}
+                rejoining.add(victim)
             else:  # an attack on the wire: every consumer must complete the sync beside it
                 victim = None
                 tally.notes.append(f"v{v} {kind}: " + wire_attack(
                     kind, cl.coordinator, cl.token, peers=[cl.addresses[r] for r in range(1, producers)],
                     victims=[k for k in cl.alive() if not isinstance(k, int)], version=v))
             try:
-                r = cl.sync(v, faults=faults, tolerate=True)
+                r = cl.sync(v, faults=faults, tolerate=True, skip=skip)
             except TimeoutError as e:
                 tally.deadlocks += 1
                 tally.notes.append(f"v{v} {kind}: DEADLOCK {e}")
@@ -148,7 +162,9 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
            "mismatched": tally.mismatched, "rejoined_exact": tally.rejoined_exact,
            "rejoined_mismatched": tally.rejoined_mismatched, "refused_torn": tally.refused_torn,
            "unexpected_failures": tally.unexpected, "max_detect_s": round(max(tally.detect, default=0.0), 3),
-           "lease_s": lease_s, "lost_bytes": tally.lost_bytes, "seconds": round(time.monotonic() - t_start, 1)}
+           "lease_s": lease_s, "lost_bytes": tally.lost_bytes, "straggler_versions": tally.straggler_versions,
+           "straggler_healthy_complete": tally.straggler_healthy_complete,
+           "seconds": round(time.monotonic() - t_start, 1)}
     _print_table(out, tally, as_json)
     return out
 
@@ -185,10 +201,20 @@ def _score(t: _Tally, r: dict, kind: str, victim: Any, t_fault: float | None, cl
         if p is None:
             continue
         t.lost_bytes += p.get("held_bytes", 0)
+        if kind == "straggler" and "straggler" not in p.get("dropped", {}).get(victim, "straggler"):
+            t.unexpected += 1  # the straggler must be dropped as one (or have completed in time)
+            t.notes.append(f"v{r['version']} straggler {victim}: dropped as {p['dropped'][victim][:300]}")
         if kind in CONSUMER_KINDS and "dropped_at" in p and victim in p["dropped_at"]:
             t0 = t_fault if t_fault is not None else cl.died_at(victim)
             if t0 is not None:
                 t.detect.append(p["dropped_at"][victim] - t0)
+    if kind == "straggler" and any(victim in (p or {}).get("dropped", {}) for p in r["producers"]):
+        t.straggler_versions += 1
+        others = [c for c in r["consumers"] if c["consumer"] != victim and c["state"] is not None]
+        if all(c["exact"] for c in others):
+            t.straggler_healthy_complete += 1
+        else:
+            t.notes.append(f"v{r['version']} straggler {victim}: a healthy consumer did not complete")
     if kind == "producer_kill":
         t0 = cl.died_at(victim)
         errs = [c.get("t") for c in r["consumers"] if c.get("t")]
@@ -202,8 +228,9 @@ def _print_table(out: dict, t: _Tally, as_json: bool) -> None:
     for k, n in sorted(out["by_kind"].items()):
         print(f"{k:18s} {n:5d}", file=f)
     for k in ("syncs", "syncs_completed", "deadlocks", "torn_served", "mismatched", "rejoined_exact",
-              "rejoined_mismatched", "refused_torn", "unexpected_failures", "max_detect_s", "lost_bytes", "seconds"):
-        print(f"{k:22s} {out[k]}", file=f)
+              "rejoined_mismatched", "refused_torn", "unexpected_failures", "max_detect_s", "lost_bytes",
+              "straggler_versions", "straggler_healthy_complete", "seconds"):
+        print(f"{k:26s} {out[k]}", file=f)
     for n in t.notes[-12:]:
         print("  " + n[:400], file=f)
     if as_json:
@@ -346,5 +373,5 @@ def run(args) -> int:
         return 2
     r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
     bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
-        r["unexpected_failures"] or r["lost_bytes"]
+        r["unexpected_failures"] or r["lost_bytes"] or r["straggler_healthy_complete"] != r["straggler_versions"]
     return 1 if bad else 0
