@@ -17,7 +17,7 @@ from typing import Any, Collection, Iterator
 import torch
 
 from ..errors import MetadataMismatch
-from ..source import Batch, WeightSource
+from ..source import Batch, SourceChanged, WeightSource, _dist_rank
 from ..types import ParamMeta, dtype_name
 
 __all__ = ["adapt", "ForeignSource"]
@@ -33,6 +33,7 @@ class ForeignSource(WeightSource):
                                 "shardsync's or vLLM's WeightSource)")
         self.inner = inner
         self._metas: list[ParamMeta] | None = None
+        self._expect: dict[str, tuple[str, tuple[int, ...]]] | None = None
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -56,10 +57,26 @@ class ForeignSource(WeightSource):
             yield from zip(names, tensors)
 
     def iter_groups(self) -> Iterator[Batch]:
+        """The wrapped source's batches, each tensor checked against the metadata (the wrapped source looks its
+        tensors up itself each pass, e.g. vLLM's ``ModuleSource`` by ``named_parameters()``: one swapped for another
+        shape or dtype since init is a :class:`~shardsync.source.SourceChanged` naming it, never served)."""
+        if self._expect is None:
+            self._expect = {m.name: (m.dtype, tuple(m.shape)) for m in self.metadata()}
+        expect, rank = self._expect, _dist_rank()
         for names, tensors in self.inner.iter_groups():
             if len(names) != len(tensors):
                 raise MetadataMismatch(f"weight source yielded {len(names)} names and {len(tensors)} tensors for "
                                        f"group {names[:1]}")
+            for n, t in zip(names, tensors):
+                if t is None:
+                    continue
+                dt, shape = expect.get(n, (None, None))
+                if dt is None:
+                    raise MetadataMismatch(f"weight source yielded {n!r} (rank {rank}), which its metadata at init "
+                                           "does not list")
+                if tuple(t.shape) != shape or dtype_name(t.dtype) != dt:
+                    raise SourceChanged(tensor=n, rank=rank, expected=f"{dt}{list(shape)}",
+                                        found=f"{dtype_name(t.dtype)}{list(t.shape)}", source=type(self.inner).__name__)
             yield list(names), list(tensors)
 
 

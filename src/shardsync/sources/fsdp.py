@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import MetadataMismatch
-from ..source import Batch, WeightSource, gather_groups
+from ..source import Batch, SourceChanged, WeightSource, gather_groups
 from ..types import ParamMeta, dtype_name
 
 __all__ = ["FSDPSource", "strip_wrappers", "WRAPPER_PREFIXES"]
@@ -114,15 +114,15 @@ class FSDPSource(WeightSource):
         for group in self.groups():
             missing = [n for n in group if n not in named]
             if missing:
-                raise MetadataMismatch(f"FSDPSource: tensor {missing[0]!r} of the metadata is no longer a "
-                                       f"parameter of the module (rank {_rank()})")
+                m = metas[missing[0]]
+                raise SourceChanged(tensor=m.name, rank=_rank(), expected=f"{m.dtype}{list(m.shape)}",
+                                    found="no parameter of that name in the module any more", source="FSDPSource")
             params = {n: named[n].detach() for n in group}
             for n, t in params.items():
                 m = metas[n]
                 if tuple(t.shape) != tuple(m.shape) or dtype_name(t.dtype) != m.dtype:
-                    raise MetadataMismatch(f"FSDPSource: tensor {n!r} on rank {_rank()} is now "
-                                           f"{dtype_name(t.dtype)}{list(t.shape)}, metadata says "
-                                           f"{m.dtype}{list(m.shape)}")
+                    raise SourceChanged(tensor=n, rank=_rank(), expected=f"{m.dtype}{list(m.shape)}",
+                                        found=f"{dtype_name(t.dtype)}{list(t.shape)}", source="FSDPSource")
             out: dict[str, torch.Tensor] = {}
             buckets: dict[tuple, list[tuple[str, int]]] = {}
             for n in group:                                   # one bucket per process group: usually one

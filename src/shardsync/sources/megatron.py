@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import MetadataMismatch
 from ..plan.groups import weight_group
-from ..source import Batch, WeightSource
+from ..source import Batch, LiveTensors, WeightSource, _dist_rank
 from ..types import ParamMeta, dtype_name
 from .megatron_layout import (Item, MegatronConfig, MegatronParallel, hf_shapes, hf_to_megatron_shards, items,
                               local_shapes, megatron_to_hf, merge)
@@ -55,8 +55,15 @@ class MegatronSource(WeightSource):
                  par: MegatronParallel, *, tp_group: Any, etp_group: Any = None):
         par.check(cfg)
         self.cfg, self.par = cfg, par
-        state = local_state.state_dict() if isinstance(local_state, nn.Module) else local_state
+        module = local_state if isinstance(local_state, nn.Module) else None
+        state = local_state.state_dict() if module is not None else local_state
         self._local = self._validate(state)
+        # the local tensors are looked up by name again at every pass (a swapped parameter is served as it is now;
+        # one gone or of another shape or dtype is a SourceChanged): ``source.LiveTensors``
+        self._state = None if module is not None else local_state
+        self._live = LiveTensors(module, [list(self._local)],
+                                 {n: (t.dtype, tuple(t.shape)) for n, t in self._local.items()},
+                                 rank=_dist_rank(), what=f"MegatronSource on {par.where()}")
         self.tp_group, self.etp_group = tp_group, etp_group
         self._check_group("tp", par.tp, par.tp_rank, tp_group)
         if cfg.experts:  # a dense model ignores ep/etp (Megatron reports etp = tp when it is not set)
@@ -135,6 +142,7 @@ class MegatronSource(WeightSource):
 
     def iter_groups(self) -> Iterator[Batch]:
         par = self.par
+        self._local = dict(zip(self._live.batches[0].names, self._live.current(self._state)[0]))  # as they are now
         for names in self.groups():
             its = self._items[weight_group(names[0])]
             tp_its = [it for it in its if it.axis == "tp" and par.tp > 1]
