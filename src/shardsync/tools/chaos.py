@@ -35,7 +35,10 @@ checkpoint) serve vLLM replicas (``harness.vllm_engine``), each hosted in a chil
 - ``engine_kill_mid_sync``: a replica is killed while a sync is in flight (same checks);
 - ``producer_kill``: producer 1 dies mid-sync; every engine's update fails with ``ProducerLost``; an
   engine that applied groups is torn and must refuse to generate; producer 1 is restarted and the next
-  sync heals every engine.
+  sync heals every engine;
+- ``straggler``: a live replica is not driven for one version (its lease stays live: a framework still busy
+  generating on it): it is dropped from that version as a straggler, the other completes it exact, and the
+  straggler, still exactly on its earlier version, catches up at the next sync.
 
 After each sync every live engine either refuses to serve (torn, by its own account) or is compared
 with a FRESH engine started on the weights of the version it says it holds: every tensor after
@@ -63,7 +66,7 @@ from ..zoo import ZooConfig
 KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "straggler",
          "forged_plan", "wrong_token", "oversized_frame", *BOUNDED)
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
-VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill")
+VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill", "straggler")
 ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
@@ -270,7 +273,8 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
     reps: dict[str, Hosted] = {}
     tally: dict[str, Any] = {"faults": 0, "by_kind": {}, "syncs": 0, "syncs_completed": 0, "deadlocks": 0,
                              "torn_served": 0, "mismatched": 0, "refused_torn": 0, "rejoined_exact": 0,
-                             "compared": 0, "notes": []}
+                             "compared": 0, "straggler_versions": 0, "straggler_healthy_complete": 0,
+                             "notes": []}
     rejoining: set[str] = set()
     try:
         booting = {n: Hosted(n, ENGINE, dict(model_dir=ckpt, name=n, **info(n))) for n in ("r0", "r1")}
@@ -287,13 +291,16 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
             v += 1
             victim = rng.choice(sorted(reps))
             faults: dict[Any, dict] = {}
+            idle: set[str] = set()
             if kind == "engine_kill":
                 reps[victim].kill()
             elif kind == "engine_kill_mid_sync":  # within the span the last sync took
                 threading.Timer(rng.uniform(0.1, 0.6) * last_s, reps[victim].kill).start()
             elif kind == "producer_kill":
                 faults = {1: {"die_after_groups": 1}}
-            live = [r for r in reps.values() if r.alive()]
+            elif kind == "straggler":  # registered, lease live, not driven this step
+                idle.add(victim)
+            live = [r for r in reps.values() if r.alive() and r.name not in idle]
             t_sync = time.monotonic()
             calls = {r.name: r.call("sync", v) for r in live}
             try:
@@ -308,6 +315,10 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
             ok = {n for n, s in synced.items() if s is not None and s["error"] is None}
             if not res["failed"] and len(ok) == len(synced):
                 tally["syncs_completed"] += 1
+            if idle and all(any(c.startswith(victim + "/") and "straggler" in why  # its workers: "r1/rank0"
+                                for c, why in (p or {}).get("dropped", {}).items()) for p in res["producers"]):
+                tally["straggler_versions"] += 1
+                tally["straggler_healthy_complete"] += not res["failed"] and len(ok) == len(synced) > 0
             _check_engines(tally, v, kind, reps, fresh, work, rejoining, ok)
             print(f"sync {v}: {kind:22s} victim {victim}: engines completed {sorted(ok)}; producers failed "
                   f"{sorted(res['failed'])}", file=sys.stderr)
@@ -324,7 +335,8 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
         cl.close()
         shutil.rmtree(work, ignore_errors=True) if workdir is None else None
     out = {k: tally[k] for k in ("faults", "by_kind", "syncs", "syncs_completed", "deadlocks", "torn_served",
-                                 "mismatched", "refused_torn", "rejoined_exact", "compared")}
+                                 "mismatched", "refused_torn", "rejoined_exact", "compared", "straggler_versions",
+                                 "straggler_healthy_complete")}
     out["seconds"] = round(time.monotonic() - t_start, 1)
     f = sys.stderr if as_json else sys.stdout
     for k, val in out.items():
@@ -365,7 +377,8 @@ def run(args) -> int:
     """``shardsync chaos [--vllm]``: 1 if any sync deadlocked, served torn weights or mismatched (2: bad kinds)."""
     if args.vllm:
         r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
-        return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] else 0
+        return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] or \
+            r["straggler_healthy_complete"] != r["straggler_versions"] else 0
     kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
     unknown = set(kinds) - set(KINDS)
     if unknown:
