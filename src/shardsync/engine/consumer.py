@@ -17,7 +17,10 @@ rules 8-10; the threads are ``puller.py``'s :class:`Puller` (one per producer) a
    engine then holds a mix and must not serve until a later sync completes); ``version`` is the last
    complete one.
 4. If the lease expires (the process was paused), the heartbeat rejoins with the same plan and a new
-   session: the next version is received in full.
+   session: the next version is received in full — unless another session took this consumer's id meanwhile (a
+   restarted engine replaced this paused one): then this session is *displaced*. It never rejoins by itself (its
+   replacement may die later: a rejoin then would make an undriven member of every version); it logs one warning,
+   its heartbeat stops, and ``sync`` raises :class:`ConsumerDisplaced` (re-initialise it to serve again).
 
     consumer = Consumer("r0/tp1", coordinator_address, token="t", record=record_fn, apply=apply_fn)
     consumer.init()          # Hello -> record plan -> RegisterPlan -> Routes
@@ -26,6 +29,7 @@ rules 8-10; the threads are ``puller.py``'s :class:`Puller` (one per producer) a
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -42,7 +46,8 @@ from .delta_recv import HeldChunks
 from .puller import Puller, PullRound, SerialPuller, producer_lost
 from .source_open import SourceOpener
 from .wire import DEFAULT_MAX_FRAME, parse_address
-from ..errors import SessionInUse, SyncError, TransportError
+from .membership import Membership
+from ..errors import ConsumerDropped, SessionInUse, SyncError, TransportError
 from ..plan.pack import GroupLayout
 from ..plan.route import chunk_layouts, holders_from_ownership
 from ..transport import Transport, make_transport
@@ -50,6 +55,12 @@ from ..types import ParamMeta, Plan
 
 RecordFn = Callable[[Sequence[ParamMeta]], Plan]
 ApplyFn = Callable[[str, torch.Tensor], None]
+log = logging.getLogger("shardsync.consumer")
+
+
+class ConsumerDisplaced(ConsumerDropped):
+    """This consumer's session was dropped (its lease lapsed: the process was paused or cut off) and another session
+    took its consumer id (a restarted engine): it does not rejoin by itself and must be re-initialised."""
 
 
 class Consumer:
@@ -112,11 +123,14 @@ class Consumer:
         self.torn = False
         """A failed sync applied some groups: the engine holds a mix of versions until a sync completes."""
         self.rejoins = 0
+        self.displaced = ""
+        """Why this session was displaced (another session took its id), else "": it neither renews nor rejoins."""
         self.heartbeat: Heartbeat | None = None
         self.clients: dict[int, ControlClient] = {}
         self.rclients: dict[int, ControlClient] = {}  # releases: a second connection per producer
         self.peers: dict[int, tuple[int, Any]] = {}  # producer -> (incarnation, desc) connected
         self._lock = threading.Lock()  # session changes (rejoin) vs. a sync reading it
+        self._displace_lock = threading.Lock()  # said once, whichever thread learns it first
         self._applier: Applier | None = None  # the last sync's
 
     # ------------------------------------------------------------------ init / rejoin
@@ -128,7 +142,7 @@ class Consumer:
         w = self._hello(peer)
         self.session, self.lease_s = w.session, w.lease_s
         self.heartbeat = Heartbeat(self.coordinator, self.token, m.Renew(consumer=self.id, session=self.session),
-                                   lease_s=w.lease_s, who=f"consumer {self.id}", on_dropped=self._rejoin,
+                                   lease_s=w.lease_s, who=f"consumer {self.id}", on_dropped=self._on_dropped,
                                    require_mac=self.require_mac)
         try:
             self.metas = [ParamMeta.from_dict(d) for d in w.metadata]
@@ -179,11 +193,47 @@ class Consumer:
                     raise
                 time.sleep(0.2)
 
-    def _rejoin(self, why: str) -> None:
-        """Our lease expired (we were paused or cut off): join again with the plan we have."""
+    def _on_dropped(self, why: str) -> None:
+        """The heartbeat's renewal was refused: rejoin, unless displaced (then stop: said once, by ``_displace``)."""
+        refused = self.heartbeat.refused if self.heartbeat is not None else None
+        try:
+            self._rejoin(why, refused=None if refused is None else refused.session)
+        except ConsumerDisplaced:
+            pass
+
+    def _displace(self, why: str) -> ConsumerDisplaced:
+        """Another session holds (or held) this id since ours was dropped: stop for good (one warning)."""
+        with self._displace_lock:
+            if self.displaced:
+                return ConsumerDisplaced(self.displaced)
+            self.displaced = (f"consumer {self.id}: this session was displaced by another session under its id while "
+                              f"it was paused or cut off ({why}); it does not rejoin by itself: re-initialise it "
+                              "(a new Consumer, or init_weight_transfer_engine) to serve again")
+        log.warning("%s", self.displaced)
+        if self.heartbeat is not None:
+            self.heartbeat.stop(wait=False)  # maybe from its own thread, or while it waits for this rejoin's lock
+        return ConsumerDisplaced(self.displaced)
+
+    def _rejoin(self, why: str, *, refused: str | None = None) -> None:
+        """Our lease expired (we were paused or cut off): join again with the plan we have — unless another session
+        took our id meanwhile (the coordinator says so, or a live session holds it): :class:`ConsumerDisplaced`.
+        ``refused``: the session whose renewal was refused (a refusal of an older one is stale: nothing to do)."""
         with self._lock:
-            w = m.expect(self.coord.call(m.Hello(consumer=self.id, session=self.session), timeout_s=self.timeout_s),
-                         m.Welcome, "coordinator")
+            if self.displaced:
+                raise ConsumerDisplaced(self.displaced)
+            if refused is not None and refused != self.session:
+                return
+            if Membership.DISPLACED in why:
+                raise self._displace(why)
+            try:
+                w = m.expect(self.coord.call(m.Hello(consumer=self.id, session=self.session),
+                                             timeout_s=self.timeout_s), m.Welcome, "coordinator")
+            except SessionInUse as e:  # a live session holds our id: we were replaced
+                raise self._displace(str(e)) from None
+            except ConsumerDropped as e:
+                if Membership.DISPLACED in str(e):
+                    raise self._displace(str(e)) from None
+                raise
             r = m.expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=w.session, plan=self.plan.to_json(),
                                                         node=self.node),
                                          timeout_s=self.timeout_s), m.Routes, "coordinator")
@@ -225,6 +275,8 @@ class Consumer:
             t.join(max(0.0, deadline - time.monotonic()))
 
     def sync(self, version: int) -> dict[str, Any]:
+        if self.displaced:
+            raise ConsumerDisplaced(self.displaced)
         if self._applier is not None and self._applier.is_alive():
             raise SyncError(f"consumer {self.id}: the previous sync's apply thread is still running; this consumer "
                             "must be re-initialised before it syncs again")
@@ -244,6 +296,8 @@ class Consumer:
             if self.held is not None:  # what this sync wrote is no delta base
                 self.held.fail()
             self.torn = self.torn or (self._applier is not None and self._applier.applied_any)
+            if isinstance(e, ConsumerDropped) and Membership.DISPLACED in str(e):  # the coordinator said so first
+                raise self._displace(str(e)) from None
             self.abandon(version, f"{type(e).__name__}: {e}", lost_producer=getattr(e, "producer", -1))
             raise
         self.version, self.torn = version, False

@@ -10,6 +10,9 @@ frames are size-limited before allocation; a server started with ``mac=True`` (a
 the per-consumer session credential the coordinator issued at ``Hello`` on every message that acts for them
 (release, abandon, goodbye, renew). Servers bind to the interface they are given, time out idle and
 half-open connections, and log (never swallow silently) anything that ends a serving thread.
+A connection refused for a wrong token is logged at once, naming the peer — once per source address (a bounded
+table; repeats from that address are counted, not logged; past the table, refusals are logged at most once a
+second) — and ``refusals()`` names the newest few (a coordinator's init wait says them while its quorum is missing).
 A request that gets no answer within its timeout raises TransportError naming the peer and the
 request; a client whose connection broke reconnects on its next call::
 
@@ -23,7 +26,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any, Callable
 
 import msgspec
@@ -38,6 +41,11 @@ from .wire import (DEFAULT_MAX_FRAME, FrameTooLarge, handshake_client, handshake
 
 __all__ = ["ControlServer", "ControlClient"]
 log = logging.getLogger("shardsync.control")
+
+REFUSED_HOSTS = 64
+"""Source addresses whose first wrong-token refusal a server logs (peers are untrusted: the table is bounded)."""
+REFUSED_KEPT = 4
+"""Newest refused connections (address:port) a server keeps to name in ``refusals()``."""
 
 
 class ControlServer:
@@ -62,6 +70,8 @@ class ControlServer:
         self._conns: set[socket.socket] = set()
         self._inflight: dict[str, int] = defaultdict(int)
         self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0, "mac": 0}
+        self._refused_hosts: set[str] = set()  # logged once each (at most REFUSED_HOSTS)
+        self._refused_from: deque[str] = deque(maxlen=REFUSED_KEPT)
         self.handler_errors = 0
         self.admission = Admission(name, deadline_s=auth_timeout_s, max_pending=max_pending,
                                    max_per_source=max_per_source)
@@ -81,14 +91,40 @@ class ControlServer:
             self._conns.add(conn)
         self._serve(conn)
 
-    def _refuse(self) -> None:
-        self.refused["token"] += 1
-        self.admission.refuse("token")
+    def _refuse(self, conn: socket.socket) -> None:
+        peer = _peer(conn)
+        host = peer.rsplit(":", 1)[0]
+        with self._lock:
+            self.refused["token"] += 1
+            self._refused_from.append(peer)
+            first = host not in self._refused_hosts and len(self._refused_hosts) < REFUSED_HOSTS
+            if first:
+                self._refused_hosts.add(host)
+            known = host in self._refused_hosts
+        if first:
+            self.admission.refused["token"] += 1
+            log.warning("%s: refused a connection from %s: wrong token (that peer does not hold this group's token: "
+                        "give it the producers' token; further refusals from %s are counted, not logged)",
+                        self.name, peer, host)
+        elif known:
+            self.admission.refused["token"] += 1
+        else:  # past the table: counted and logged at most once a second
+            self.admission.refuse("token", f"{peer} (wrong token)")
+
+    def refusals(self) -> str:
+        """The connections refused for a wrong token, e.g. "2 connections with a wrong token from 127.0.0.1:51432,
+        127.0.0.1:51436" (the newest ``REFUSED_KEPT``), or "" if none."""
+        with self._lock:
+            n, newest = self.refused["token"], list(self._refused_from)
+        if not n:
+            return ""
+        more = ", ..." if n > len(newest) else ""
+        return f"{n} connection{'s' if n != 1 else ''} with a wrong token from {', '.join(newest)}{more}"
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            auth = handshake_server(conn, self.token, deadline_s=self.auth_timeout_s, on_refused=self._refuse,
-                                    mac=self.mac)
+            auth = handshake_server(conn, self.token, deadline_s=self.auth_timeout_s,
+                                    on_refused=lambda: self._refuse(conn), mac=self.mac)
             if auth is None:
                 return
             self.admission.passed(conn)

@@ -95,12 +95,17 @@ class Coordinator:
         held = [self.ms.producers[p].held for p in range(self.n_producers)]
         return holders_from_ownership(held, [x.name for x in self.metadata])
 
+    refusals: Callable[[], str] | None = None
+    """The control server's wrong-token refusals (``ControlServer.refusals``), named while the quorum is missing."""
+
     def _missing(self) -> str:
         reg = sorted(c for c, e in self.ms.consumers.items() if e.digest is not None)
         rec = sorted(c for c, e in self.ms.consumers.items() if e.digest is None)
         unseen = max(0, self.n_consumers - len(reg) - len(rec) - len(self.ms.failed_init))
+        refused = self.refusals() if self.refusals is not None else ""
         return (f"consumers to register plans: need {self.n_consumers} (quorum {self.min_consumers}); registered "
-                f"{reg}; recording {rec}; failed {self.ms.failed_init}; not heard from: {unseen}")
+                f"{reg}; recording {rec}; failed {self.ms.failed_init}; not heard from: {unseen}"
+                + (f"; refused: {refused}" if refused else ""))
 
     def _maybe_route(self) -> None:
         if self.routes is not None or self.failed is not None or len(self.ms.producers) < self.n_producers:

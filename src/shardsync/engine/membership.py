@@ -87,10 +87,17 @@ class Membership:
         self.failed_early: dict[int, str] = {}  # versions failed before they began -> why
 
     # -------------------------------------------------------------- consumers
+    DISPLACED = "displaced: another session took its id"
+    """In a refusal to a session whose consumer id another session took after it was dropped (a paused engine
+    that a restarted one replaced): that session must not rejoin by itself (``Consumer`` stops; re-initialise it)."""
+
     def hello(self, cid: str, proof: str = "") -> str:
         if cid in self.consumers:
             self.expire()
         old = self.consumers.get(cid)
+        displaced = self._displaced(cid, proof) if old is None and proof else ""
+        if displaced:  # a displaced session asking to rejoin (its replacement may have died since): refused
+            raise ConsumerDropped(displaced)
         if old is not None and not hmac.compare_digest(proof, old.session):
             left = old.lease_until - self.clock()
             raise SessionInUse(f"consumer id {cid!r} belongs to a live session (its lease runs {left:.1f} s more): a "
@@ -109,8 +116,23 @@ class Membership:
             return c
         why = self.dead.get((cid, session))
         if why is not None:
-            raise ConsumerDropped(f"consumer {cid!r} was dropped ({why}); it must rejoin (Hello + RegisterPlan)")
+            raise ConsumerDropped(self._displaced(cid, session) or
+                                  f"consumer {cid!r} was dropped ({why}); it must rejoin (Hello + RegisterPlan)")
         raise AuthError(f"session credential does not belong to consumer {cid!r}")
+
+    def _displaced(self, cid: str, session: str) -> str:
+        """The refusal for a dropped ``session`` whose id another session took since (live now, or dropped after
+        it: the newest drop of ``cid`` is not this session's), else "". A session replaced by its own holder's
+        ``Hello`` (it carried the session as proof) is not displaced: its successor is the same engine."""
+        why = self.dead.get((cid, session))
+        if why is None or why.startswith("replaced: the consumer said Hello again"):
+            return ""
+        if cid not in self.consumers:
+            newest = next((s for c, s in reversed(self.dead) if c == cid), session)  # bounded: _KEEP_DEAD entries
+            if newest == session:
+                return ""
+        return (f"consumer {cid!r} was dropped ({why}), then {self.DISPLACED}: this session must not rejoin by itself; "
+                "re-initialise the consumer to serve again")
 
     def register(self, cid: str, session: str, digest: str) -> None:
         """``digest``: the consumer's route key (its plan's digest, ``@node`` where routing is node-aware)."""

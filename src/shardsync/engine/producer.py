@@ -155,6 +155,8 @@ class Producer(ServedVersions):
             if cfg.rank == 0 else None
         self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
                                     max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}", mac=cfg.mac)
+        if self.coordinator is not None:  # its init waits name the connections refused for a wrong token
+            self.coordinator.refusals = self.server.refusals
         self.address = self.server.address
         self.cv = threading.Condition()
         self.versions: dict[int, VersionState] = {}
