@@ -25,6 +25,12 @@ applied, groups missing at ``finish_weight_update``, a shutdown mid-update) leav
 the version every group holds (``partial`` mid-apply) in ``sync_state()`` and ``status_rank{R}.json`` (``torn``,
 ``holds`` e.g. ``"torn:1+2"``); the engine core's ``guard`` refuses every request until a later sync completes on
 every rank. ``version`` only advances on a complete sync, so a failed version may be retried.
+
+Ownership (``ownership``): the trainer session of the last init owns the engine. Another session's init is refused
+at once (``EngineOwnedError``, naming the owner's coordinator) while the owner's lease is live, and takes the engine
+over once it lapsed (a crashed, killed or preempted trainer; a clean exit releases it at once); an update of another
+session is refused (``StaleSessionError``); the new session's versions start after its ``start_version``, and its
+first complete sync heals a torn engine.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from .compat import check_supported
 from .plugin import require_plugin
 from .fresh_load import fresh_check
 from .guard import HeldVersions
+from .ownership import STALE_MARK, Owner, StaleSessionError, wait_owner_gone
 from .layerwise import (LayerApplier, check_processing, record_vllm_plan, refuse_rebind_under_cuda_graphs,
                         validate_plan, vllm_context)
 from .processor import FreshProcessor
@@ -62,7 +69,9 @@ in-process engine shuts down inside the driver's exit; a goodbye to silent produ
 @dataclass
 class ShardsyncInitInfo(WeightTransferInitInfo):
     plan_dir: str = ""
-    """Where each worker writes ``plan_rank{R}.json`` (and its init / status files; default: a temp dir)."""
+    """Where each worker writes ``plan_rank{R}.json`` (and its init / status files). Default: the engine's own folder,
+    ``{tempdir}/shardsync-vllm/pid{P}`` (P: the pid of the process that started the engine), removed when that
+    process exits (``status``)."""
     validate: bool = True
     """Check the recorded plan against the real loaders on random data, and each layer kind's processing
     against a first load (scratch tensors). Without it every layer is processed in ``rebind`` mode."""
@@ -80,6 +89,13 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     """This engine's replica id (consumers are ``{replica}/rank{R}``); default ``vllm-{instance id}``, unique per
     engine, so one init payload can go to several replicas (vLLM's Ray client fans out)."""
     timeout_s: float = 120.0
+    session: str = ""
+    """The trainer session this init comes from (``ShardsyncTrainerEngine`` generates one at ``trainer_init``): with
+    its coordinator's address it names the engine's owner; an init of another session is refused while the owner's
+    lease is live and takes the engine over once it lapsed (``ownership``)."""
+    start_version: int | None = None
+    """The session's first version must be newer than this (the trainer's checkpoint step, or the engines' own
+    version); later ones newer than the last complete one. None: newer than the last complete version."""
     verify_checksums: bool = False
     """Demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
     require_mac: bool = False
@@ -109,6 +125,9 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
 class ShardsyncUpdateInfo(WeightTransferUpdateInfo):
     version: int = 0
     """The version to pull: every worker pulls its slices of it from the producers."""
+    session: str = ""
+    """The trainer session that sends it: an update of a session that does not own the engine (a displaced trainer,
+    a replayed request) is refused before anything is applied. Empty: not checked (shardsync's own API)."""
 
 
 def _rank() -> int:
@@ -158,6 +177,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._bytes, self._wire, self._t0 = 0, {}, 0.0
         self._started = self._received = False
         self._peer_failed = False
+        self.owner: Owner | None = None
+        """The trainer session whose coordinator this worker's consumer belongs to (None: none; driver push)."""
+        self._floor: int | None = None
+        """The session's ``start_version`` until its first complete sync (versions must be newer than it)."""
 
     # ---------------------------------------------------------------- init
     def init_transfer_engine(self, init_info: ShardsyncInitInfo) -> None:
@@ -167,11 +190,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             _write_json(os.path.join(init_info.inspect_to, f"fresh_rank{self.rank}.json"), out)
             return
         t0 = time.perf_counter()
+        owner = Owner.of(init_info) if init_info.coordinator is not None else None
+        if owner is not None:
+            self._take_over(owner)
         replica = init_info.replica or f"vllm-{getattr(self.vllm_config, 'instance_id', '') or 'r0'}"
         consumer = init_info.consumer or f"{replica}/rank{self.rank}"
-        if not init_info.plan_dir:  # plans go to the coordinator; the files are for inspection only
-            import tempfile
-            init_info.plan_dir = os.path.join(tempfile.gettempdir(), f"shardsync-{replica.replace('/', '_')}")
+        if not init_info.plan_dir:  # no engine core assigned one (``status``): this engine's folder, by replica
+            from .status import default_root
+            init_info.plan_dir = os.path.join(default_root(), replica.replace('/', '_'))
         found: dict[str, Any] = {}
 
         def record(metas):
@@ -188,6 +214,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             return plan
 
         self.plan = self._find_plan(init_info, consumer, record)
+        if owner is not None:
+            self.owner, self._floor = owner, init_info.start_version
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
         aliases, kinds = found["processing"]
         self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
@@ -205,6 +233,21 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             "processing": {k: r.to_dict() for k, r in kinds.items()},
             "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
         self._write_status({"op": "init", "missing_groups": []})
+
+    def _take_over(self, new: Owner) -> None:
+        """Before ``new``'s consumer joins: refuse it while another session's owner is live
+        (``ownership.EngineOwnedError``), else close what the previous session left (its consumer, bounded; an
+        update window it left open, torn if it had applied groups)."""
+        old, consumer = self.owner, self.consumer
+        if consumer is not None and old is not None and old != new:
+            wait_owner_gone(consumer, old, new, rank=self.rank)
+            log.warning("rank %d: %s is gone (its lease lapsed); %s takes this engine over (it holds %s)", self.rank,
+                        old, new, self.held.holds())
+        if self._started:  # vLLM's flag for it is cleared by the guard (``window_open`` is False now)
+            self._abort(f"{old or 'the previous trainer session'} left this update window open")
+        if consumer is not None:
+            self.consumer, self.owner, self._floor = None, None, None
+            _close_bounded(consumer, goodbye=old == new and not self._peer_failed, rank=self.rank)
 
     def _find_plan(self, init_info: ShardsyncInitInfo, consumer: str, record) -> Any:
         """This worker's plan: recorded (``record(metas)``) against the metadata the coordinator serves and
@@ -269,6 +312,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise SyncError(f"rank {self.rank}: update_weights needs start_weight_update first, and one pull per "
                             "start/finish window")
         self._received = True
+        if info.session and self.owner is not None and info.session != self.owner.session:
+            # never told to the producers: this worker's consumer belongs to the owner's group, not the sender's
+            raise StaleSessionError(f"rank {self.rank}: update version {info.version} of trainer session "
+                                    f"{info.session!r} {STALE_MARK} ({self.owner}); nothing was applied")
         try:  # pull every group from the producers
             self._check_newer(info.version)
         except SyncError as e:  # the producers stop waiting for this worker at once, told why
@@ -284,6 +331,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._peer_failed = False
 
     def _check_newer(self, version: int) -> None:
+        if self._floor is not None:  # a session's first version: newer than where it said it starts
+            if version <= self._floor:
+                raise SyncError(f"rank {self.rank}: update version {version} is not newer than the start version "
+                                f"{self._floor} of trainer session {self.owner.session if self.owner else ''!r}")
+            return
         if version <= self.held.version:
             raise SyncError(f"rank {self.rank}: update version {version} is not newer than the last complete "
                             f"version {self.held.version}")
@@ -306,6 +358,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         finally:
             self.processor.end()
         self.held.end(failed=f"finished without groups {missing[:5]} ({len(missing)} missing)" if missing else "")
+        if self.held.pending is not None and self.held.version == self.held.pending:
+            self._floor = None  # complete: later versions must be newer than this one
         self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
                             "processed_modules": len(self.processor.processed),
                             "rebound_modules": len(self.processor.rebound),
@@ -334,6 +388,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
     def _abort(self, why: str) -> None:
         self._started = False
+        if self._applied and self.plan is not None and not self._missing_groups():
+            self.held.writing(*self._applied)  # every group applied, vLLM's reload never finalised: not servable
         self.held.end(failed=why)
         if self.processor is not None and self.processor.open:
             self.processor.end()
@@ -341,6 +397,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             missing = [g.name for g in self.plan.groups if g.name not in self._applied]
             self._write_status({"op": self._op, "missing_groups": missing, "aborted": why,
                                 "seconds": time.perf_counter() - self._t0})
+
+    @property
+    def window_open(self) -> bool:
+        """An update window (start .. finish) is open on this rank (the guard closes vLLM's when this is False)."""
+        return self._started
 
     @property
     def version(self) -> int:
@@ -370,6 +431,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.applier = None
         self.processor = None
         self.plan = None
+        self.owner, self._floor = None, None
 
 
 def _close_bounded(consumer: Any, *, goodbye: bool, rank: int, bound_s: float = SHUTDOWN_BOUND_S) -> bool:

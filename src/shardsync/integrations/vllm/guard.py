@@ -185,7 +185,10 @@ def worker_sync_state(wrapper: Any, close_window: bool = False) -> dict[str, Any
     state = getattr(engine, "sync_state", None)
     if not callable(state):
         return None
-    if close_window and getattr(worker, "_weight_update_active", False):
+    # also where the backend closed its window itself (a new trainer session took over one its dead owner left
+    # open): vLLM's flag would refuse every later start_weight_update as "already active"
+    if getattr(worker, "_weight_update_active", False) and (close_window or getattr(engine, "window_open", None)
+                                                            is False):
         try:
             engine.reset_weight_update_target()  # the backend closes its window: torn if it applied anything
         finally:

@@ -17,6 +17,10 @@ rank serves the bytes it holds, and each inference worker pulls exactly its own 
 and the engines' ``init_weight_transfer_engine`` wait for each other, so the sender runs the client call on a
 side thread. ``source`` is vLLM's ``WeightSource`` (its ``ModuleSource`` over an FSDP2 module included) or
 shardsync's. ``send_weights`` returns the version's outcome (``completed``, ``dropped`` engines, seconds, bytes).
+
+Each ``trainer_init`` is a new trainer session (``ownership``): it owns the engines while its lease is live (another
+trainer is refused with ``EngineOwnedError``, naming it), a restarted trainer takes over once the old lease lapsed,
+and its versions resume after ``start_version`` or, by default, after the newest version the engines hold.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ...errors import SyncError
 from ...sources.adapt import adapt
 from . import compat
 from .clients import as_client, count_workers
+from .ownership import EngineOwnedError, StaleSessionError, engine_versions, resume_version, retype
 from .plugin import BACKEND, register_trainer
 
 __all__ = ["ShardsyncTrainerInitInfo", "ShardsyncTrainerEngine"]
@@ -83,6 +88,14 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
     """Workers check their recorded plan against vLLM's loaders at init."""
+    status_dir: str = ""
+    """Where every worker writes its ``status_rank{R}.json`` (and plan / init files), on the engines' machines; kept
+    after they stop. Empty: each engine's own folder, ``{tempdir}/shardsync-vllm/pid{P}`` (P: the pid of ``vllm
+    serve`` or of the process that built the ``LLM``), removed when that process exits (``status``)."""
+    start_version: int | None = None
+    """Where this trainer session's versions resume: its first ``send_weights`` sends ``start_version + 1`` (e.g.
+    the step of the checkpoint a restarted trainer loaded). None: after the newest version any engine holds
+    (their weight versions, ``ownership.engine_versions``; 0 where the client cannot say, e.g. vLLM 0.26)."""
     # accepted for drop-in compatibility with NCCLTrainerInitInfo; shardsync sizes its buffers from the plans
     packed: bool = True
     packed_buffer_size_bytes: int = 0
@@ -116,6 +129,11 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         super().__init__(*compat.trainer_engine_init_args(config), client=client, source=source, is_sender=is_sender)
         self.producer = producer
         self.version = 0
+        """The last version this session sent (its first ``send_weights`` sends ``start_version + 1``)."""
+        self.session = ""
+        """This trainer session's id (generated at ``trainer_init``): the engines' owner while its lease is live."""
+        self.displaced = False
+        """An engine refused this session (another owns it now): ``shutdown`` then leaves the engines alone."""
         self.engine_workers: int | None = None
         """The inference workers the sender's client reported at init (``clients.count_workers``; None: it could
         not say), checked against ``world_size - 1``."""
@@ -151,16 +169,23 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
                              mac=init_info.mac, delta=init_info.delta,
                              delta_budget_bytes=init_info.delta_budget_bytes)
         token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
+        session = secrets.token_hex(8) if rank == 0 else ""
+        client = as_client(client)
+        # where this session's versions resume: what the trainer names, else after what the engines hold
+        start = init_info.start_version if init_info.start_version is not None else (
+            resume_version(engine_versions(client)) if rank == 0 else 0)
         # rank 0 must be listening before the others dial it: make the server first, then share its address
         producer = None
         if rank == 0:
             cfg.token = token
             producer = Producer(adapt(source), cfg)
-        token, address = _share([token, producer.address if producer else None], n_prod)
+        token, address, session, start = _share([token, producer.address if producer else None, session, start],
+                                                n_prod)
         if producer is None:
             cfg.token, cfg.coordinator = token, address
             producer = Producer(adapt(source), cfg)
-        engine = cls(client=as_client(client), source=source, producer=producer, is_sender=rank == 0, config=config)
+        engine = cls(client=client, source=source, producer=producer, is_sender=rank == 0, config=config)
+        engine.version, engine.session = int(start), session
         workers = engine.engine_workers = count_workers(engine.client) if engine.is_sender else None
         if workers is not None and workers != init_info.world_size - 1:
             producer.close()
@@ -173,10 +198,20 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
                    "timeout_s": init_info.timeout_s, "validate": init_info.validate,
                    "verify_checksums": bool(init_info.verify_checksums), "require_mac": bool(init_info.mac),
-                   "delta": bool(init_info.delta), "recv_budget_bytes": init_info.recv_budget_bytes}
-        # an engine-side failure (a worker that cannot start the backend) ends the producers' init at once
-        engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
-                     what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)
+                   "delta": bool(init_info.delta), "recv_budget_bytes": init_info.recv_budget_bytes,
+                   "session": session, "start_version": engine.version,
+                   **({"plan_dir": init_info.status_dir} if init_info.status_dir else {})}
+        # an engine-side failure (a worker that cannot start the backend; an engine another live trainer session
+        # owns: EngineOwnedError, naming it) ends the producers' init at once
+        try:
+            engine._side(lambda: engine.client.init_weight_transfer_engine(payload), producer.init,
+                         what="the inference engines' init_weight_transfer_engine", on_fail=producer.coordinator.fail)
+        except BaseException as e:
+            producer.close()  # a refused trainer leaves nothing behind (its coordinator's port, threads)
+            err = retype(e)
+            if err is e:
+                raise
+            raise err from e
         return engine
 
     def _side(self, call, main, *, what: str, on_fail=None) -> Any:
@@ -256,8 +291,15 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         except BaseException as e:  # the engines are gone: no trainer rank may wait in a gather for this one
             self._drop_out(v, e)
             raise
-        out = self._side(lambda: self.client.update_weights({"version": v}), result,
-                         what=f"the inference engines' update_weights (version {v})")
+        try:
+            out = self._side(lambda: self.client.update_weights({"version": v, "session": self.session}), result,
+                             what=f"the inference engines' update_weights (version {v})")
+        except BaseException as e:
+            err = retype(e)
+            if err is e:
+                raise
+            self.displaced = isinstance(err, (EngineOwnedError, StaleSessionError))
+            raise err from e
         compat.finish_weight_update(self.client, str(v))
         return out
 
@@ -276,7 +318,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
             self.wait()
         except Exception:
             pass  # reported where it failed; shutting down goes on
-        if self.is_sender:
+        if self.is_sender and not self.displaced:  # a displaced session must not release its successor's engine
             stop = getattr(self.client, "shutdown_weight_transfer_engine", None)
             if callable(stop):
                 try:
