@@ -33,7 +33,7 @@ demo: venv
 	$(PY) -m shardsync.cli demo --kill-engine-at 8 $(ARGS)
 
 test: venv venv26
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 	$(MAKE) --no-print-directory test-vllm026
 
 # The second vLLM: the vLLM tests that exercise the compatibility layer (integrations/vllm/compat.py), against

@@ -38,7 +38,11 @@ checkpoint) serve vLLM replicas (``harness.vllm_engine``), each hosted in a chil
   sync heals every engine;
 - ``straggler``: a live replica is not driven for one version (its lease stays live: a framework still busy
   generating on it): it is dropped from that version as a straggler, the other completes it exact, and the
-  straggler, still exactly on its earlier version, catches up at the next sync.
+  straggler, still exactly on its earlier version, catches up at the next sync;
+- ``trainer_restart``: the whole trainer (every producer, the coordinator with them) dies mid-sync; a new trainer
+  (new processes, a new address and session, resuming after the step it names) initialises the running engines:
+  each is taken over once the dead session's lease lapsed, and the new session's first sync heals every engine
+  (``trainer_restarts_healed``: every engine complete and exact at it).
 
 After each sync every live engine either refuses to serve (torn, by its own account) or is compared
 with a FRESH engine started on the weights of the version it says it holds: every tensor after
@@ -66,7 +70,7 @@ from ..zoo import ZooConfig
 KINDS = ("kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "producer_kill", "restart", "straggler",
          "forged_plan", "wrong_token", "oversized_frame", *BOUNDED)
 CONSUMER_KINDS = {"kill_between", "kill_mid_pull", "kill_mid_apply", "pause", "restart"}
-VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill", "straggler")
+VLLM_KINDS = ("engine_kill", "engine_kill_mid_sync", "producer_kill", "straggler", "trainer_restart")
 ENGINE = "shardsync.tools.harness.vllm_engine:VllmEngine"
 
 
@@ -256,8 +260,15 @@ def _answer(call: Any, timeout: float) -> Any:
         return None
 
 
+def _trainer(ckpt: str, lease_s: float) -> LocalCluster:
+    """The trainer: two producer processes (PP shares of ``ckpt``), producer 0 the coordinator of two engines."""
+    return LocalCluster(None, producers=2, spec={"kind": "checkpoint", "path": ckpt}, external_consumers=2,
+                        lease_s=lease_s, timeout_s=120)
+
+
 def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch: str = "qwen3",
-                   as_json: bool = False, workdir: str | None = None) -> dict[str, Any]:
+                   kinds: tuple[str, ...] = VLLM_KINDS, as_json: bool = False,
+                   workdir: str | None = None) -> dict[str, Any]:
     from ..integrations.vllm.testing.checkpoints import build_tiny_checkpoint
     from .harness.vllm_engine import FreshReferences
 
@@ -266,16 +277,17 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
     ckpt = build_tiny_checkpoint(arch, os.path.join(work, arch))
     fresh = FreshReferences(ckpt, work)
     t_start = time.monotonic()
-    cl = LocalCluster(None, producers=2, spec={"kind": "checkpoint", "path": ckpt}, external_consumers=2,
-                      lease_s=lease_s, timeout_s=120)
-    info = lambda n: {"coordinator": cl.coordinator, "token": cl.token,  # noqa: E731
+    cl = _trainer(ckpt, lease_s)
+    session = ["chaos-0"]
+    info = lambda n: {"coordinator": cl.coordinator, "token": cl.token, "session": session[0],  # noqa: E731
                       "plan_dir": os.path.join(work, n), "timeout_s": 120}
     reps: dict[str, Hosted] = {}
     tally: dict[str, Any] = {"faults": 0, "by_kind": {}, "syncs": 0, "syncs_completed": 0, "deadlocks": 0,
                              "torn_served": 0, "mismatched": 0, "refused_torn": 0, "rejoined_exact": 0,
                              "compared": 0, "straggler_versions": 0, "straggler_healthy_complete": 0,
-                             "notes": []}
+                             "trainer_restarts": 0, "trainer_restarts_healed": 0, "takeover_s": 0.0, "notes": []}
     rejoining: set[str] = set()
+    resumed = False  # the last step restarted the trainer: this sync must heal every engine
     try:
         booting = {n: Hosted(n, ENGINE, dict(model_dir=ckpt, name=n, **info(n))) for n in ("r0", "r1")}
         reps.update(booting)  # closed in any case
@@ -284,7 +296,7 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
         cl.wait_ready()
         v, last_s = 0, 2.0
         for i in range(kills + 1):
-            kind = VLLM_KINDS[i % len(VLLM_KINDS)] if i < kills else "final"
+            kind = kinds[i % len(kinds)] if i < kills else "final"
             if kind != "final":
                 tally["faults"] += 1
                 tally["by_kind"][kind] = tally["by_kind"].get(kind, 0) + 1
@@ -300,6 +312,8 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
                 faults = {1: {"die_after_groups": 1}}
             elif kind == "straggler":  # registered, lease live, not driven this step
                 idle.add(victim)
+            elif kind == "trainer_restart":  # every producer dies mid-sync (the coordinator with producer 0)
+                faults = {0: {"die_after_groups": 1}, 1: {"die_after_groups": 1}}
             live = [r for r in reps.values() if r.alive() and r.name not in idle]
             t_sync = time.monotonic()
             calls = {r.name: r.call("sync", v) for r in live}
@@ -315,13 +329,32 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
             ok = {n for n, s in synced.items() if s is not None and s["error"] is None}
             if not res["failed"] and len(ok) == len(synced):
                 tally["syncs_completed"] += 1
+            mismatched_before = tally["mismatched"] + tally["torn_served"]
             if idle and all(any(c.startswith(victim + "/") and "straggler" in why  # its workers: "r1/rank0"
                                 for c, why in (p or {}).get("dropped", {}).items()) for p in res["producers"]):
                 tally["straggler_versions"] += 1
                 tally["straggler_healthy_complete"] += not res["failed"] and len(ok) == len(synced) > 0
             _check_engines(tally, v, kind, reps, fresh, work, rejoining, ok)
+            if resumed:  # the new trainer session's first sync: every engine complete and exact
+                resumed = False
+                tally["trainer_restarts_healed"] += (ok == set(reps) and not res["failed"]
+                                                     and tally["mismatched"] + tally["torn_served"]
+                                                     == mismatched_before)
             print(f"sync {v}: {kind:22s} victim {victim}: engines completed {sorted(ok)}; producers failed "
                   f"{sorted(res['failed'])}", file=sys.stderr)
+            if kind == "trainer_restart":
+                cl.close()  # what is left of the dead trainer
+                session[0] = f"chaos-{v}"
+                cl = _trainer(ckpt, lease_s)  # a new address: the engines' old owner never answers again
+                t0 = time.monotonic()
+                inits = {n: r.call("init", start_version=v, **info(n)) for n, r in reps.items() if r.alive()}
+                cl.wait_ready()  # each engine's init returns once the old session's lease lapsed there
+                for n, c in inits.items():
+                    c.result(300)  # an engine that refused the new trainer fails the run here
+                tally["trainer_restarts"] += 1
+                tally["takeover_s"] = round(max(tally["takeover_s"], time.monotonic() - t0), 2)
+                rejoining.update(inits)
+                resumed = True
             for n, r in list(reps.items()):  # restart what died, as a framework would
                 if not r.alive():
                     r.kill()
@@ -336,7 +369,8 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
         shutil.rmtree(work, ignore_errors=True) if workdir is None else None
     out = {k: tally[k] for k in ("faults", "by_kind", "syncs", "syncs_completed", "deadlocks", "torn_served",
                                  "mismatched", "refused_torn", "rejoined_exact", "compared", "straggler_versions",
-                                 "straggler_healthy_complete")}
+                                 "straggler_healthy_complete", "trainer_restarts", "trainer_restarts_healed",
+                                 "takeover_s")}
     out["seconds"] = round(time.monotonic() - t_start, 1)
     f = sys.stderr if as_json else sys.stdout
     for k, val in out.items():
@@ -375,15 +409,19 @@ def _check_engines(tally: dict, v: int, kind: str, reps: dict[str, Hosted], fres
 
 def run(args) -> int:
     """``shardsync chaos [--vllm]``: 1 if any sync deadlocked, served torn weights or mismatched (2: bad kinds)."""
-    if args.vllm:
-        r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), as_json=args.json)
-        return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] or \
-            r["straggler_healthy_complete"] != r["straggler_versions"] else 0
-    kinds = tuple(k for k in args.kinds.split(",") if k) or KINDS
-    unknown = set(kinds) - set(KINDS)
+    known = VLLM_KINDS if args.vllm else KINDS
+    kinds = tuple(k for k in args.kinds.split(",") if k) or known
+    unknown = set(kinds) - set(known)
     if unknown:
-        print(f"shardsync chaos: unknown fault kinds {sorted(unknown)}; known: {list(KINDS)}", file=sys.stderr)
+        print(f"shardsync chaos{' --vllm' if args.vllm else ''}: unknown fault kinds {sorted(unknown)}; known: "
+              f"{list(known)}", file=sys.stderr)
         return 2
+    if args.vllm:
+        r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), kinds=kinds,
+                           as_json=args.json)
+        return 1 if r["deadlocks"] or r["torn_served"] or r["mismatched"] or \
+            r["straggler_healthy_complete"] != r["straggler_versions"] or \
+            r["trainer_restarts_healed"] != r["trainer_restarts"] else 0
     r = run_chaos(kills=args.kills, seed=args.seed, lease_s=args.lease, kinds=kinds, as_json=args.json)
     bad = r["deadlocks"] or r["torn_served"] or r["mismatched"] or r["rejoined_mismatched"] or \
         r["unexpected_failures"] or r["lost_bytes"] or r["straggler_healthy_complete"] != r["straggler_versions"]

@@ -72,6 +72,9 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 120.0
     init_timeout_s: float = 600.0
     lease_s: float = 10.0
+    straggler_s: float | None = None
+    """A worker holding a version's group this long without releasing any is dropped from that version as a
+    straggler (``ProducerConfig.straggler_s``; None: a few leases, at least 10 s, at most half ``timeout_s``)."""
     gather_budget_bytes: int | None = None
     verify_checksums: bool | None = None
     """Chunk checksums (``ProducerConfig.verify_checksums``; None: on for host rings). True also makes every worker
@@ -164,7 +167,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
                              port=init_info.master_port if rank == 0 else 0, transport=init_info.transport,
                              lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
                              init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
-                             gather_budget_bytes=init_info.gather_budget_bytes,
+                             straggler_s=init_info.straggler_s, gather_budget_bytes=init_info.gather_budget_bytes,
                              verify_checksums=init_info.verify_checksums, device=init_info.device,
                              mac=init_info.mac, delta=init_info.delta,
                              delta_budget_bytes=init_info.delta_budget_bytes)

@@ -61,7 +61,7 @@ class VllmEngine:
     def __init__(self, model_dir: str, *, name: str = "r0", tp: int = 1, coordinator: Any = None, token: str = "",
                  transport: str = "tcp", group: str | None = None, plan_dir: str | None = None,
                  timeout_s: float = 120.0, validate: bool = True, seed: int | None = None, connect: bool = True,
-                 delta: bool = False):
+                 delta: bool = False, session: str = ""):
         cpu_env(tp)  # before vLLM starts
         from vllm import LLM
 
@@ -69,7 +69,7 @@ class VllmEngine:
         self.plan_dir = plan_dir or tempfile.mkdtemp(prefix=f"shardsync-{name}-")
         self.llm = LLM(**engine_kwargs(model_dir, tp, False, **({} if seed is None else {"seed": seed})))
         info = {"replica": name, "plan_dir": self.plan_dir, "timeout_s": timeout_s, "validate": validate,
-                **({"delta": True} if delta else {})}
+                **({"delta": True} if delta else {}), **({"session": session} if session else {})}
         if group is not None:  # a Ray actor: the group's address, token and transport come from Ray's registry
             from ...integrations.ray import engine_init_info
 
@@ -80,7 +80,10 @@ class VllmEngine:
         if connect:
             self.init()
 
-    def init(self) -> None:
+    def init(self, **changes: Any) -> None:
+        """Initialise (again): ``changes`` replace init-info fields, e.g. a restarted trainer's ``coordinator``,
+        ``token`` and ``session`` (the engine is taken over once the previous session's lease lapsed)."""
+        self.init_info.update(changes)
         self.llm.init_weight_transfer_engine({"init_info": self.init_info})
 
     # ------------------------------------------------------------------ syncs
