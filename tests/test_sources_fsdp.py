@@ -106,6 +106,7 @@ def _worker(rank: int, port: int, outdir: str) -> None:
                             timeout=datetime.timedelta(seconds=30))
     run_scenarios([(name, lambda fn=fn: fn(rank)) for name, fn in
                    [("fsdp", _scenario_fsdp), ("tp", _scenario_tp), ("mixed", _scenario_mixed)]], rank, outdir)
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective (an abort at exit otherwise)
     dist.destroy_process_group()
 
 

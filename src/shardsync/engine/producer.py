@@ -9,11 +9,11 @@ start and failure:
    version begins: registered, lease live); a member that abandons the version, says goodbye or lets its
    lease expire (``lease_s``: the detection bound) is dropped, and the sync's result names who and why.
 2. A straggler — a member whose lease is live but that has not released a group ``straggler_s`` after it was
-   announced, nor any other group of this rank in that time (a hung engine worker, a generation the framework did not interrupt, a peer that went idle) — is
-   dropped from that version as a dead one is: no ring slot, version or healthy engine is held hostage by one
-   member. It stays a member of the group; its late ``WaitReady`` or ``Released`` for that version is refused
-   (``ConsumerDropped``: what it read may have been overwritten), so it is torn only if it had applied part of the
-   version, and it takes part in the next version.
+   announced, nor any other group of this rank in that time (a hung engine worker, a generation the framework did
+   not interrupt, a peer that went idle) — is dropped from that version as a dead one is: no ring slot, version
+   or healthy engine is held hostage by one member. It stays a member of the group; its late ``WaitReady`` or
+   ``Released`` for that version is refused (``ConsumerDropped``: what it read may have been overwritten), so it is
+   torn only if it had applied part of the version, and it takes part in the next version.
 3. A dead producer (its lease expired) or a version another producer reported failed ends the sync with
    :class:`ProducerLost` / :class:`SyncError`; consumers then keep their previous complete version.
    Every wait is bounded by ``timeout_s`` and names what it waited for. A failure is made known to the

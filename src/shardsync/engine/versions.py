@@ -3,7 +3,8 @@ unreleased (a slot is freed by ``engine/schedule.py``'s rule 7), who was dropped
 ``engine/producer.py``: dead, abandoning and straggling members), and the ``WaitReady`` answers.
 
 ``ServedVersions`` is a mixin of :class:`~shardsync.engine.producer.Producer`: it needs ``cfg`` (rank,
-lease_s, timeout_s, straggler_s), ``client`` (to the coordinator), ``cv`` (the condition every state change notifies), ``versions`` (version ->
+lease_s, timeout_s, straggler_s), ``client`` (to the coordinator), ``cv`` (the condition every state change
+notifies), ``versions`` (version ->
 :class:`VersionState`), and ``coordinator`` / ``heartbeat`` (the lease view it prunes by).
 """
 
@@ -117,8 +118,9 @@ class ServedVersions:
 
     def _drop_stragglers(self, version: int, st: VersionState) -> None:
         """Rule 2 of ``producer.py``: a member that has not released a group ``straggler_bound()`` after it was
-        announced, nor any other group here in that time, is dropped from this version (its slot is reclaimed) and the coordinator is told, so the other
-        producers drop it too and the version's outcome counts it; it stays a member of the group."""
+        announced, nor any other group here in that time, is dropped from this version (its slot is reclaimed) and
+        the coordinator is told, so the other producers drop it too and the version's outcome counts it; it stays a
+        member of the group."""
         bound, now, late = self.straggler_bound(), time.monotonic(), []
         for g, t in st.announced.items():
             if now - t <= bound or not st.pending.get(g):

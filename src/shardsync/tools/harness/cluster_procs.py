@@ -5,8 +5,9 @@ producer (:class:`TrainerProc`) or one zoo consumer (:class:`ConsumerProc`). The
 A failed sync is an answer, not the end of the process (``{"error": ...}``): the run goes on, as a real one
 would. Fault injection is real: ``sync(v, {"die_at_chunk": k})`` makes the process SIGKILL itself right after
 its k-th chunk read, ``{"die_at_apply": k}`` in the middle of applying its k-th group, ``{"die_after_groups": k}``
-(producer) after gathering its k-th group, ``{"flip_at_chunk": k}`` flips a bit of the k-th chunk as it lands, ``{"stall_at_chunk": k, "stall_s": t}`` stops
-for ``t`` seconds after its k-th chunk read while its heartbeat keeps the lease (a straggler),
+(producer) after gathering its k-th group, ``{"flip_at_chunk": k}`` flips a bit of the k-th chunk as it lands,
+``{"stall_at_chunk": k, "stall_s": t}`` stops for ``t`` seconds after its k-th chunk read while its heartbeat keeps
+the lease (a straggler),
 ``{"replay": "record"}`` starts keeping every chunk that passes its check and ``{"replay": "version"}`` (``"group"``,
 ``"producer"``) then has one chunk arrive as a kept one from an earlier version (another group, another producer),
 with its tag (``tamper.ChunkReplay``; ``replayed`` in the answer), ``{"fail_at_begin": True}`` (producer) fails this
