@@ -414,7 +414,8 @@ def run(args) -> int:
     unknown = set(kinds) - set(known)
     if unknown:
         print(f"shardsync chaos{' --vllm' if args.vllm else ''}: unknown fault kinds {sorted(unknown)}; known: "
-              f"{list(known)}", file=sys.stderr)
+              f"{list(known)}" + ("" if args.vllm or not unknown <= set(VLLM_KINDS) else
+                                  f"; {sorted(unknown)} need --vllm (real vLLM engines)"), file=sys.stderr)
         return 2
     if args.vllm:
         r = run_chaos_vllm(kills=args.kills, seed=args.seed, lease_s=max(args.lease, 3.0), kinds=kinds,
