@@ -278,8 +278,8 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
     fresh = FreshReferences(ckpt, work)
     t_start = time.monotonic()
     cl = _trainer(ckpt, lease_s)
-    session = ["chaos-0"]
-    info = lambda n: {"coordinator": cl.coordinator, "token": cl.token, "session": session[0],  # noqa: E731
+    session = "chaos-0"  # the trainer's session id (``info`` reads it, and ``cl``, as they are at each call)
+    info = lambda n: {"coordinator": cl.coordinator, "token": cl.token, "session": session,  # noqa: E731
                       "plan_dir": os.path.join(work, n), "timeout_s": 120}
     reps: dict[str, Hosted] = {}
     tally: dict[str, Any] = {"faults": 0, "by_kind": {}, "syncs": 0, "syncs_completed": 0, "deadlocks": 0,
@@ -344,7 +344,7 @@ def run_chaos_vllm(*, kills: int = 3, seed: int = 0, lease_s: float = 3.0, arch:
                   f"{sorted(res['failed'])}", file=sys.stderr)
             if kind == "trainer_restart":
                 cl.close()  # what is left of the dead trainer
-                session[0] = f"chaos-{v}"
+                session = f"chaos-{v}"
                 cl = _trainer(ckpt, lease_s)  # a new address: the engines' old owner never answers again
                 t0 = time.monotonic()
                 inits = {n: r.call("init", start_version=v, **info(n)) for n, r in reps.items() if r.alive()}
