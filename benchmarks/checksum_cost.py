@@ -18,8 +18,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from shardsync.tools.harness.cluster import LocalCluster  # noqa: E402
-from shardsync.zoo import ZooConfig  # noqa: E402
+from shardsync.testing.harness.cluster import LocalCluster  # noqa: E402
+from shardsync.testing.zoo import ZooConfig  # noqa: E402
 
 MODES = {"off": dict(verify_checksums=False), "xxh3": dict(verify_checksums=True), "mac": dict(mac=True)}
 

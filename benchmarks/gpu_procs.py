@@ -1,8 +1,8 @@
-"""The processes of ``gpu_sync.py``, one object each in a process of its own (``shardsync.tools.harness.hosts``):
+"""The processes of ``gpu_sync.py``, one object each in a process of its own (``shardsync.testing.harness.hosts``):
 a producer (``GpuProducer``: its PP share of Qwen3-30B-A3B-shaped weights on GPU0, deterministic per seed) or a
 zoo consumer (``GpuConsumer``: vLLM's loader semantics on GPU1 through ``harness.consumers.ZooConsumer``, plus
 the FP8 process step, the byte check, the link and floor measurements). Both also run the broadcast baselines
-(``shardsync.tools.baseline``). ``--device cpu`` runs the same objects on CPU (tcp, nccl:gloo)."""
+(``shardsync.programs.baseline``). ``--device cpu`` runs the same objects on CPU (tcp, nccl:gloo)."""
 
 from __future__ import annotations
 
@@ -14,26 +14,26 @@ import zlib
 
 import torch
 
-from shardsync.engine.consumer import Consumer
-from shardsync.engine.producer import Producer, ProducerConfig
+from shardsync.engine.consumer.consumer import Consumer
+from shardsync.engine.producer.producer import Producer, ProducerConfig
 from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape
 from shardsync.plan import graphs
 from shardsync.plan.groups import weight_group
 from shardsync.plan.pack import _packed_view, layout_group
 from shardsync.plan.validate import same_bytes
 from shardsync.source import ModuleSource
-from shardsync.tools import baseline
-from shardsync.tools.harness.consumers import ZooConsumer, zoo_plan
-from shardsync.tools.harness.trainers import pp_share
+from shardsync.programs import baseline
+from shardsync.testing.harness.consumers import ZooConsumer, zoo_plan
+from shardsync.testing.harness.trainers import pp_share
 from shardsync.types import ParamMeta
-from shardsync.zoo import ZooConfig, hf_shapes
+from shardsync.testing.zoo import ZooConfig, hf_shapes
 
 graphs.ENABLED = os.environ.get("SHARDSYNC_CUDA_GRAPHS", "1") != "0"  # the benchmark's switch (graphs off: "0")
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b.json")
 FP8_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "w13_weight", "w2_weight")
 TOKEN = "bench"
 BUCKET = {"tensor": 0, "bucket": 1 << 30}
-"""The broadcast baselines (``tools/baseline.py``): per-tensor, and 1 GiB buckets."""
+"""The broadcast baselines (``programs/baseline.py``): per-tensor, and 1 GiB buckets."""
 
 
 def zoo_config(args) -> ZooConfig:

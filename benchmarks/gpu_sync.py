@@ -9,7 +9,7 @@ packers' and unpackers' views; it is reported as ``first_sync_s``):
   (``cuda_ipc``, ``nccl``, ``nixl`` if installed); beside it, in the same processes, the speed of light (plan
   bytes / a raw GPU0->GPU1 copy), the floor (the plan's groups copied back to back with no control plane, no
   pack and no apply: what a pipeline could reach at best at this granularity) and the baselines
-  (``shardsync.tools.baseline``, the one ``shardsync bench`` times: per-tensor and 1 GiB bucketed NCCL broadcast,
+  (``shardsync.programs.baseline``, the one ``shardsync bench`` times: per-tensor and 1 GiB bucketed NCCL broadcast,
   each followed by the loader and the process step).
 * B — one producer -> a TP2 replica whose two consumers share GPU1: the engine (each pulls its slices) vs the
   same engine where each consumer's plan is every full tensor and its loader keeps its share ("full pull").
@@ -38,7 +38,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast on shar
 
 import torch  # noqa: E402
 
-from shardsync.tools.harness.hosts import Hosted, results  # noqa: E402
+from shardsync.testing.harness.hosts import Hosted, results  # noqa: E402
 
 PROCS = "gpu_procs"
 """The module of the scenario's processes (beside this file)."""

@@ -299,11 +299,11 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="gpu-vllm-")
     ckpt = build_checkpoint(args.model, os.path.join(work, "v0"))
     if args.checkpoint == "fp8-block":
-        from shardsync.integrations.vllm.testing.checkpoints import to_block_fp8
+        from shardsync.verify.checkpoints import to_block_fp8
 
         to_block_fp8(ckpt)
     if args.checkpoint == "fp8-channel":
-        from shardsync.integrations.vllm.testing.checkpoints import to_channel_fp8
+        from shardsync.verify.checkpoints import to_channel_fp8
 
         to_channel_fp8(ckpt)
     final = os.path.join(work, f"v{args.syncs}")

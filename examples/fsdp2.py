@@ -76,7 +76,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         from vllm import LLM
 
         if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
-            from shardsync.integrations.vllm.testing import plugin
+            from shardsync.verify import registration as plugin
 
             plugin.enable()
         llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
@@ -111,7 +111,7 @@ def _trainer_rank(rank: int, args: argparse.Namespace, port: int, work: str) -> 
         # full tensors (DTensor.full_tensor() is a collective: every rank, in the same order)
         full = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
         if rank == 0:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-            from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference, inspect_engine, shutdown
+            from shardsync.verify.reference import compare_with, fresh_reference, inspect_engine, shutdown
 
             synced = inspect_engine(llm, os.path.join(work, "synced"), tp=2)
             engine.shutdown()

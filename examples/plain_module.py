@@ -57,7 +57,7 @@ def main() -> int:
     model = tiny_qwen3(seed=0)
     model.save_pretrained(os.path.join(work, "ckpt"))
     if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
-        from shardsync.integrations.vllm.testing import plugin
+        from shardsync.verify import registration as plugin
 
         plugin.enable()
     llm = LLM(model=os.path.join(work, "ckpt"), skip_tokenizer_init=True, enforce_eager=True, max_model_len=128,
@@ -88,7 +88,7 @@ def main() -> int:
               file=log)
     report = {"steps": args.steps, "version": llm.get_weight_version()}
     if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-        from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference, inspect_engine
+        from shardsync.verify.reference import compare_with, fresh_reference, inspect_engine
 
         synced = inspect_engine(llm, os.path.join(work, "synced"), tp=1)
         state = {k: t.detach().clone() for k, t in model.state_dict().items()}

@@ -85,7 +85,7 @@ def main() -> int:
     model = tiny_qwen3(seed=0)                                        # the trainer's policy (tiny, random init)
     model.save_pretrained(os.path.join(work, "ckpt"))                  # the engine starts from the same weights
     if args.verify:  # the check compares what the engine holds: the testing engine (test scaffolding) inspects it
-        from shardsync.integrations.vllm.testing import plugin
+        from shardsync.verify import registration as plugin
 
         plugin.enable()                                                # this process and the server it starts
     llm = server = None
@@ -127,7 +127,7 @@ def main() -> int:
         report = {"steps": args.steps, "client": args.client, "versions": versions,
                   "engine_workers": engine.engine_workers}  # what the trainer checked world_size against
         if args.verify:  # the check the tests run (test scaffolding: not needed to adopt shardsync)
-            from shardsync.integrations.vllm.testing.reference import compare_with, fresh_reference
+            from shardsync.verify.reference import compare_with, fresh_reference
 
             synced_dir = os.path.join(work, "synced")     # every worker writes what it holds now (read-only)
             client.init_weight_transfer_engine({"inspect_to": synced_dir} if llm is None else

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from shardsync.engine.loopback import loopback_sync
+from shardsync.engine.inprocess import loopback_sync
 from shardsync.plan.validate import fill_sentinel, mismatched, raw_bytes as raw  # noqa: F401 (re-exported for tests)
 from shardsync.source import ModuleSource
-from shardsync.tools.harness.consumers import ZooConsumer
-from shardsync.tools.harness.hosts import free_port  # noqa: F401 (re-exported for tests)
-from shardsync.zoo import ZooConfig
+from shardsync.testing.harness.consumers import ZooConsumer
+from shardsync.testing.harness.hosts import free_port  # noqa: F401 (re-exported for tests)
+from shardsync.testing.zoo import ZooConfig
 
 
 def garbage(model: torch.nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""The broadcast baseline (``tools/baseline.py``, the only one) loads what it times: every baseline sync leaves each
+"""The broadcast baseline (``programs/baseline.py``, the only one) loads what it times: every baseline sync leaves each
 consumer holding the broadcast version, byte for byte, like a shardsync sync; ``shardsync bench`` reports both
 paths bit-exact; ``benchmarks/gpu_sync.py`` (on CPU) checks its baselines the same way."""
 
@@ -12,11 +12,11 @@ import sys
 import pytest
 from helpers import free_port
 
-from shardsync.tools.baseline import chunks, owners
-from shardsync.tools.bench import run_bench
-from shardsync.tools.harness.cluster import LocalCluster
+from shardsync.programs.baseline import chunks, owners
+from shardsync.programs.bench import run_bench
+from shardsync.testing.harness.cluster import LocalCluster
 from shardsync.types import ParamMeta
-from shardsync.zoo import ZooConfig
+from shardsync.testing.zoo import ZooConfig
 
 pytestmark = pytest.mark.procs
 BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")

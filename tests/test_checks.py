@@ -10,7 +10,7 @@ from shardsync.plan.checks import check_plan
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.types import Op, StridedView
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
 CFG = ZooConfig(experts=4, moe_layout="fused_t")
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from shardsync.delta import codec
 from shardsync.delta.codec import BITMAP, DENSE, PAIRS, DeltaHeader, Encoded
-from shardsync.engine.wire import chunk_checksum
+from shardsync.engine.protocol.wire import chunk_checksum
 from shardsync.errors import DeltaError, DeltaFormatError, DeltaMismatch, SyncError
 
 

@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardsync.engine.delta_recv import HeldChunks, parse_offers
+from shardsync.delta.receiver import HeldChunks, parse_offers
 from shardsync.errors import SyncError
 from shardsync.plan.pack import Chunk, GroupLayout
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.zoo import ZooConfig
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.zoo import ZooConfig
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=3)
 LEASE = 2.0
@@ -139,7 +139,7 @@ def test_delta_with_keyed_tags_or_plain_consumers(mode: str) -> None:
 
 
 def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
-    from shardsync.engine.delta_send import DeltaSender
+    from shardsync.delta.sender import DeltaSender
     from shardsync.errors import DeltaBudgetError
 
     lay = _layout()

@@ -15,8 +15,8 @@ from shardsync.delta.history import DeltaHistory, chunk_sizes
 from shardsync.errors import DeltaBudgetError, DeltaError, DeltaFormatError, DeltaMismatch
 from shardsync.plan.pack import layout_group
 from shardsync.plan.record import record_plan
-from shardsync.tools.sim_models import zoo_metadata
-from shardsync.zoo import ZooConfig, ZooModel
+from shardsync.programs.sim_models import zoo_metadata
+from shardsync.testing.zoo import ZooConfig, ZooModel
 
 KEYS = {("d1", "g0", 0): 4096, ("d1", "g0", 1): 1000, ("d2", "g0", 0): 4096}
 
@@ -171,8 +171,8 @@ def test_consumer_side_apply_checks_version_and_checksum() -> None:
 def test_the_delta_package_stays_in_its_wing() -> None:
     """delta/ sits beside plan/: it may use plan/, types and errors, never the engine, transports or tools."""
     pkg = pathlib.Path(__file__).resolve().parents[1] / "src" / "shardsync" / "delta"
-    forbidden = ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.tools",
-                 "shardsync.zoo", "shardsync.cli", "torch.distributed", "..engine", "..transport", "..integrations",
+    forbidden = ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs",
+                 "shardsync.testing.zoo", "shardsync.cli", "torch.distributed", "..engine", "..transport", "..integrations",
                  "..tools", "..zoo")
     for f in pkg.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):

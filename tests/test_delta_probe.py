@@ -1,4 +1,4 @@
-"""The delta probe (``python -m shardsync.tools.delta_probe``): a tiny reference trainer at an RL learning rate,
+"""The delta probe (``python -m shardsync.programs.delta_probe``): a tiny reference trainer at an RL learning rate,
 its bf16 weights packed by the real plan code and sent through the delta path; exact, with a changed fraction in
 [0, 1] and fewer bytes than dense after the first sync."""
 
@@ -9,8 +9,8 @@ import io
 import json
 import math
 
-from shardsync.tools.delta_probe import config_for, main, run_probe
-from shardsync.zoo import hf_shapes
+from shardsync.programs.delta_probe import config_for, main, run_probe
+from shardsync.testing.zoo import hf_shapes
 
 
 def test_the_probe_runs_tiny_and_reports_a_fraction() -> None:

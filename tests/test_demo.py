@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-from shardsync.tools.harness.hosts import Hosted, HostedDied, HostedError
-from shardsync.tools.rl.task import Task, advantages, grpo_loss, make_batch, make_prompts, rewards, score, split_batch
+from shardsync.testing.harness.hosts import Hosted, HostedDied, HostedError
+from shardsync.programs.rl.task import Task, advantages, grpo_loss, make_batch, make_prompts, rewards, score, split_batch
 
 
 # ---------------------------------------------------------------- the task (pure)
@@ -116,8 +116,8 @@ def test_hosted_calls_errors_timeouts_and_death():
 def test_fresh_check_passes_on_the_same_weights_and_fails_on_others(tmp_path):
     from vllm import LLM
 
-    from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-    from shardsync.integrations.vllm.testing.reference import cpu_env, engine_kwargs, save_checkpoint, shutdown
+    from shardsync.verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+    from shardsync.verify.reference import cpu_env, engine_kwargs, save_checkpoint, shutdown
 
     cpu_env(1)
     ckpt = build_tiny_checkpoint("qwen3", str(tmp_path / "q3"))

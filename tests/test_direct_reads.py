@@ -13,7 +13,7 @@ import torch
 
 from shardsync.errors import SyncError
 from shardsync.plan.pack import ChunkParts, GroupUnpacker, layout_group
-from shardsync.zoo import ZooConfig, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, hf_state_dict
 
 from test_wire import CFG, _close, _producer, _start, _sync, _Zoo
 
@@ -62,7 +62,7 @@ def test_a_consumer_without_direct_reads_on_cpu_uses_slots_by_default() -> None:
 
 
 def _group_and_bytes(cfg: ZooConfig):
-    from shardsync.tools.harness.consumers import ZooConsumer
+    from shardsync.testing.harness.consumers import ZooConsumer
     from shardsync.plan.pack import GroupPacker
     from shardsync.types import ParamMeta
 

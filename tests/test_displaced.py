@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from shardsync.engine.consumer import ConsumerDisplaced
-from shardsync.engine.membership import Membership
+from shardsync.engine.consumer.consumer import ConsumerDisplaced
+from shardsync.engine.coordinator.membership import Membership
 from shardsync.errors import ConsumerDropped, SessionInUse
-from shardsync.tools.harness import cluster, cluster_procs
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.tools.harness.cluster_procs import TrainerProc  # noqa: F401 (the children's class, from here)
-from shardsync.zoo import ZooConfig
+from shardsync.testing.harness import cluster, cluster_procs
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.harness.cluster_procs import TrainerProc  # noqa: F401 (the children's class, from here)
+from shardsync.testing.zoo import ZooConfig
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=2)
 LEASE = 2.0

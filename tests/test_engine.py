@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from shardsync.errors import MetadataMismatch
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.tools.harness.trainers import pp_share
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.harness.trainers import pp_share
 from shardsync.plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=4)
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from shardsync.engine.lanes import Lane, hot_path
-from shardsync.engine.publish import Publisher
-from shardsync.engine.versions import ServedVersions, VersionState
+from shardsync.engine.producer.publish import Publisher
+from shardsync.engine.producer.versions import ServedVersions, VersionState
 from shardsync.errors import SyncError
 
 

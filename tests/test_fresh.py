@@ -1,4 +1,4 @@
-"""First-load replay (integrations/vllm/fresh.py) on small modules: exact slot restore, state reset,
+"""First-load replay (integrations/vllm/first_load.py) on small modules: exact slot restore, state reset,
 buffer views, and a quant method whose update branch differs from its first load (like vLLM's fused MoE)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from shardsync.errors import SyncError
-from shardsync.integrations.vllm.fresh import (TensorSnapshot, capture_state, find_buffer_views, process_fresh,
+from shardsync.integrations.vllm.first_load import (TensorSnapshot, capture_state, find_buffer_views, process_fresh,
                                                set_state)
-from shardsync.integrations.vllm import fresh
+from shardsync.integrations.vllm import first_load as fresh
 
 
 class PackingMethod(QuantizeMethodBase):

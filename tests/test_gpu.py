@@ -68,7 +68,7 @@ def test_copy_programs_replayed_from_cuda_graphs_follow_in_place_updates() -> No
     from shardsync.plan.pack import GroupPacker, GroupUnpacker, layout_group
     from shardsync.plan.record import record_plan
     from shardsync.source import ModuleSource
-    from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+    from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
     cfg = ZooConfig.qwen3_moe_tiny()
     full = {n: t.cuda().contiguous() for n, t in hf_state_dict(cfg, seed=1).items()}

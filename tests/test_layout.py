@@ -1,8 +1,8 @@
 """The wings' dependency arrows (DESIGN.md "Layout"): checked on every module's imports, lazy ones included.
 
-Product code is ``src/shardsync`` except ``tools/``, ``zoo/``, ``cli.py`` and any ``testing`` subpackage (e.g.
-``integrations/vllm/testing/``): it never imports that scaffolding; only ``integrations/`` (and ``tools/``, the
-CLI programs) import vllm; only ``integrations/ray`` and ``tools/`` import ray. ``import shardsync`` stays light
+Product code is ``src/shardsync`` except ``programs/``, ``testing/zoo/``, ``cli.py`` and any ``testing`` subpackage (e.g.
+``testing/vllm/``): it never imports that scaffolding; only ``integrations/`` (and ``programs/``, the
+CLI programs) import vllm; only ``integrations/ray`` and ``programs/`` import ray. ``import shardsync`` stays light
 (the runtime, the sharded sources and vLLM load on first use) and the examples import only its public names.
 """
 
@@ -19,20 +19,20 @@ EXAMPLES = PKG.parents[1] / "examples"
 
 # wing -> wings (and outside packages) it must never import
 FORBIDDEN = {
-    "plan": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.tools", "shardsync.zoo",
+    "plan": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
              "shardsync.cli", "torch.distributed"),
-    "transport": ("shardsync.plan", "shardsync.engine", "shardsync.integrations", "shardsync.tools", "shardsync.zoo",
+    "transport": ("shardsync.plan", "shardsync.engine", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
                   "shardsync.cli"),
-    "engine": ("shardsync.integrations", "shardsync.tools", "shardsync.zoo", "shardsync.cli", "vllm", "ray"),
-    "sources": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.tools", "shardsync.zoo",
+    "engine": ("shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo", "shardsync.cli", "vllm", "ray"),
+    "sources": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
                 "shardsync.cli", "vllm", "ray"),
-    "integrations": ("shardsync.tools", "shardsync.zoo", "shardsync.cli"),
+    "integrations": ("shardsync.programs", "shardsync.testing.zoo", "shardsync.cli"),
     "tools": ("shardsync.cli",),
 }
-NOT_PRODUCT = ("shardsync.tools", "shardsync.zoo", "shardsync.cli")  # and any testing subpackage
-VLLM_ALLOWED = ("shardsync.integrations", "shardsync.tools", "shardsync.cli")
-RAY_ALLOWED = ("shardsync.integrations.ray", "shardsync.tools")
-# Ray imports outside integrations/ray and tools/ found when this rule was written (issue 22), each to move or be
+NOT_PRODUCT = ("shardsync.programs", "shardsync.testing.zoo", "shardsync.cli")  # and any testing subpackage
+VLLM_ALLOWED = ("shardsync.integrations", "shardsync.programs", "shardsync.cli")
+RAY_ALLOWED = ("shardsync.integrations.ray", "shardsync.programs")
+# Ray imports outside integrations/ray and programs/ found when this rule was written (issue 22), each to move or be
 # allowed by a decision; the test fails once one is gone, so that its entry goes too.
 RAY_KNOWN = {
     "shardsync.transport.rdt": "the Ray Direct Transport (lazy `import ray`)",
@@ -40,7 +40,7 @@ RAY_KNOWN = {
 }
 # `import shardsync` must not load these (they load on first use of a public name)
 HEAVY = ("vllm", "ray", "transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "shardsync.engine",
-         "shardsync.transport", "shardsync.integrations", "shardsync.sources", "shardsync.tools", "shardsync.zoo")
+         "shardsync.transport", "shardsync.integrations", "shardsync.sources", "shardsync.programs", "shardsync.testing.zoo")
 # what examples may import from shardsync besides `shardsync` itself: the fresh-engine check their --verify runs
 # (test scaffolding: a testing subpackage, or the module that holds the fresh reference until it moves there)
 EXAMPLE_VERIFY = ("shardsync.integrations.vllm.reference",)
@@ -114,10 +114,10 @@ def test_no_flat_modules_left():
 
 def test_product_code_never_imports_tools_zoo_or_testing_scaffolding():
     mods = _modules()
-    assert any(_is_product(m) for m in mods) and not _is_product("shardsync.integrations.vllm.testing.fresh")
+    assert any(_is_product(m) for m in mods) and not _is_product("shardsync.testing.vllm.fresh")
     bad = [(m, imp) for m, imps in mods.items() if _is_product(m) for imp in sorted(imps)
-           if _under(imp, ("shardsync.tools", "shardsync.zoo")) or _is_testing(imp)]
-    assert not bad, f"product code imports tools/, zoo/ or a testing subpackage: {bad}"
+           if _under(imp, ("shardsync.programs", "shardsync.testing.zoo")) or _is_testing(imp)]
+    assert not bad, f"product code imports programs/, testing/zoo/ or a testing subpackage: {bad}"
 
 
 def test_nothing_imports_the_cli():
@@ -129,14 +129,14 @@ def test_nothing_imports_the_cli():
 def test_only_integrations_and_tools_import_vllm():
     bad = [(m, imp) for m, imps in _modules().items() if not _under(m, VLLM_ALLOWED) for imp in sorted(imps)
            if _under(imp, ("vllm",))]
-    assert not bad, f"vllm imported outside integrations/ and tools/: {bad}"
+    assert not bad, f"vllm imported outside integrations/ and programs/: {bad}"
 
 
 def test_only_the_ray_integration_and_tools_import_ray():
     found = {m: sorted(imp for imp in imps if _under(imp, ("ray",))) for m, imps in _modules().items()
              if not _under(m, RAY_ALLOWED)}
     found = {m: imps for m, imps in found.items() if imps}
-    assert not found.keys() - RAY_KNOWN.keys(), f"ray imported outside integrations/ray and tools/: {found}"
+    assert not found.keys() - RAY_KNOWN.keys(), f"ray imported outside integrations/ray and programs/: {found}"
     assert found.keys() == RAY_KNOWN.keys(), f"no longer imports ray, drop from RAY_KNOWN: {RAY_KNOWN.keys() - found}"
 
 
@@ -205,7 +205,7 @@ def test_public_names_resolve_lazily_and_unknown_ones_fail():
         with pytest.raises(AttributeError, match=internal):
             getattr(shardsync, internal)
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
-    from shardsync.engine.producer import Producer
+    from shardsync.engine.producer.producer import Producer
 
     assert shardsync.ShardsyncTrainerInitInfo is ShardsyncTrainerInitInfo and shardsync.Producer is Producer
 

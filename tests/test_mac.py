@@ -20,18 +20,18 @@ import msgspec
 import pytest
 import torch
 
-from shardsync.engine import messages as m
-from shardsync.engine.chunkmac import check_chunk, chunk_key, chunk_tag
-from shardsync.engine.consumer import Consumer
-from shardsync.engine.control import ControlClient
-from shardsync.engine.wire import recv_frame, send_frame
+from shardsync.engine.protocol import messages as m
+from shardsync.security.chunkmac import check_chunk, chunk_key, chunk_tag
+from shardsync.engine.consumer.consumer import Consumer
+from shardsync.engine.protocol.control import ControlClient
+from shardsync.engine.protocol.wire import recv_frame, send_frame
 from shardsync.errors import AuthError, ChunkMacError, FrameMacError, SyncError, TransportError
-from shardsync.transport.framemac import FrameMac
-from shardsync.transport.handshake import client_auth, server_auth
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.tools.harness.consumers import ZooConsumer
-from shardsync.tools.harness.tamper import FIRST_FRAME_C2S, FIRST_FRAME_S2C, MitmProxy
-from shardsync.zoo import ZooConfig
+from shardsync.security.framemac import FrameMac
+from shardsync.security.handshake import client_auth, server_auth
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.harness.consumers import ZooConsumer
+from shardsync.testing.harness.tamper import FIRST_FRAME_C2S, FIRST_FRAME_S2C, MitmProxy
+from shardsync.testing.zoo import ZooConfig
 
 TOKEN = "m4c-t0ken-of-the-group"
 
@@ -168,7 +168,7 @@ def test_ready_tags_are_bounded_where_received() -> None:
 
 
 def test_a_wrong_frame_tag_closes_the_connection_and_is_counted() -> None:
-    from shardsync.engine.control import ControlServer
+    from shardsync.engine.protocol.control import ControlServer
 
     server = ControlServer("127.0.0.1", 0, TOKEN, lambda msg: m.Ack(), mac=True, name="t")
     try:
@@ -192,8 +192,8 @@ def test_a_wrong_frame_tag_closes_the_connection_and_is_counted() -> None:
 
 def test_every_rank_of_a_group_must_agree_on_mac() -> None:
     from test_wire import CFG, _Source
-    from shardsync.engine.producer import Producer, ProducerConfig
-    from shardsync.zoo import hf_state_dict
+    from shardsync.engine.producer.producer import Producer, ProducerConfig
+    from shardsync.testing.zoo import hf_state_dict
 
     kw = dict(n_producers=2, n_consumers=1, token=TOKEN, lease_s=2.0, timeout_s=5.0, init_timeout_s=10.0)
     p0 = Producer(_Source(hf_state_dict(CFG, seed=0)), ProducerConfig(rank=0, mac=True, **kw))

@@ -23,9 +23,9 @@ import time
 import pytest
 import torch
 
-from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-from shardsync.integrations.vllm.testing.reference import save_checkpoint
-from shardsync.integrations.vllm.testing.server import VllmServer
+from shardsync.verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+from shardsync.verify.reference import save_checkpoint
+from shardsync.testing.vllm.vllm_server import VllmServer
 from shardsync.source import ModuleSource
 
 pytestmark = pytest.mark.vllm

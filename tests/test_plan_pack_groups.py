@@ -15,12 +15,12 @@ from shardsync.plan.pack import layout_group
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.types import GroupPlan, Plan, Scatter
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
 DIGEST_SCRIPT = """
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 cfg = ZooConfig.qwen3_moe_tiny()
 m = ZooModel(cfg, tp_size=2, tp_rank=1, ep_size=2, ep_rank=1)
 p = record_plan(metadata=ModuleSource(hf_state_dict(cfg)).metadata(), load_weights=m.load_weights,

@@ -11,8 +11,8 @@ import ray
 
 from shardsync.integrations.ray import EngineWatch, forget, lookup
 from shardsync.integrations.ray.registry import NAMESPACE
-from shardsync.tools.harness.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
-from shardsync.zoo import ZooConfig
+from shardsync.testing.harness.ray_actors import RdtBuffer, RdtReader, TrainerRank, VllmEngine, ZooEngine, close_actors
+from shardsync.testing.zoo import ZooConfig
 
 CFG = asdict(ZooConfig.qwen3_moe_tiny(layers=2))
 ZOO = {"kind": "zoo", "cfg": CFG}
@@ -177,7 +177,7 @@ def test_trainer_actors_to_engine_actors_over_ray_direct_transport(local_ray, tr
 def test_pp2_trainer_actors_into_a_real_vllm_engine_actor_exact_vs_fresh(local_ray, tmp_path) -> None:
     """A real vLLM engine inside a Ray actor (its own executor: vLLM's Ray executor refuses the CPU platform) finds
     the group by name; after each sync it equals a FRESH engine started on the trainer's weights of that version."""
-    from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint
+    from shardsync.verify.checkpoints import build_tiny_checkpoint
 
     ckpt = build_tiny_checkpoint("qwen3_moe", str(tmp_path / "qwen3_moe"))
     group = "policy-vllm"

@@ -8,7 +8,7 @@ import torch
 from helpers import raw
 from shardsync.plan.coverage import check_coverage
 from shardsync.errors import CoverageError, UnsupportedLoaderOp
-from shardsync.engine.loopback import LocalConsumer, loopback_sync
+from shardsync.engine.inprocess import LocalConsumer, loopback_sync
 from shardsync.plan.pack import replay
 from shardsync.plan.record import RecordingTensor, record_plan
 from shardsync.source import ModuleSource

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from shardsync.tools.chaos import run_chaos
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.zoo import ZooConfig
+from shardsync.programs.chaos import run_chaos
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.zoo import ZooConfig
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=3)
 LEASE = 2.0
@@ -121,7 +121,7 @@ def test_coordinator_death_fails_the_others_fast(fault: str) -> None:
 def test_chaos_wire_attacks_each_bounded_beside_an_exact_sync() -> None:
     """Floods, dripped handshakes, 20 MB reasons, forged Abandons to every producer, amplifying plans: each during a
     sync that every consumer completes exact."""
-    from shardsync.tools.harness.attacks import BOUNDED
+    from shardsync.testing.harness.attacks import BOUNDED
 
     out = run_chaos(kills=8, seed=2, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=BOUNDED)  # all five
     assert set(out["by_kind"]) == set(BOUNDED), out["by_kind"]

@@ -1,4 +1,4 @@
-"""The lockstep loop's per-batch cache (``engine/same_batches.py``, issue 26): a source that yields the same tensor
+"""The lockstep loop's per-batch cache (``engine/producer/same_batches.py``, issue 26): a source that yields the same tensor
 objects every sync has each gather batch checked once; a replaced tensor is noticed and checked in full again."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardsync.engine.same_batches import SameBatches
+from shardsync.engine.producer.same_batches import SameBatches
 from shardsync.errors import MetadataMismatch
 from shardsync.source import ModuleSource
-from shardsync.zoo import hf_state_dict
+from shardsync.testing.zoo import hf_state_dict
 
 from test_wire import CFG, _close, _producer, _start, _sync, _Zoo
 import test_wire

@@ -1,5 +1,5 @@
 """The pure halves of the trainer-side schedule: the lockstep plan (engine/schedule.py) and the consumer's
-receive slots (engine/recvslots.py), including the property that makes parallel pulls deadlock-free."""
+receive slots (engine/consumer/recvslots.py), including the property that makes parallel pulls deadlock-free."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardsync.engine.recvslots import RecvSlots
+from shardsync.engine.consumer.recvslots import RecvSlots
 from shardsync.engine.schedule import lockstep
 from shardsync.errors import MetadataMismatch, TransportError
 from shardsync.plan.groups import group_order

@@ -15,13 +15,13 @@ import torch
 
 from helpers import garbage, mismatched
 from shardsync.plan.coverage import check_coverage
-from shardsync.engine.loopback import LocalConsumer, loopback_sync
+from shardsync.engine.inprocess import LocalConsumer, loopback_sync
 from shardsync.plan.record import record_plan
-from shardsync.tools.simulate import calibrate_cpu, pipeline_time, run_simulate
-from shardsync.tools.sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
+from shardsync.programs.simulate import calibrate_cpu, pipeline_time, run_simulate
+from shardsync.programs.sim_models import ModelSpec, Topology, expert_of, load_config, model_spec, record_plans
 from shardsync.source import ModuleSource
-from shardsync.zoo import ZooConfig
-from shardsync.zoo.mla import MLAConfig, MLAModel, mla_metadata
+from shardsync.testing.zoo import ZooConfig
+from shardsync.testing.zoo.mla import MLAConfig, MLAModel, mla_metadata
 
 JSON_KEYS = {"model_bytes", "abs_sol_s", "serial_pp_sol_s", "predicted_s", "per_consumer_bytes_max",
              "per_producer_bytes_max", "peak_recv_bytes", "peak_gather_bytes", "parallel_pp_s"}
@@ -199,7 +199,7 @@ def test_calibrate_cpu_against_the_measured_bench() -> None:
 
 @pytest.mark.procs
 def test_forked_workers_record_the_same_plans(monkeypatch) -> None:
-    import shardsync.tools.sim_models as sm
+    import shardsync.programs.sim_models as sm
 
     spec = _spec(SMALL["mla_q_lora"])
     keys = [(2, r, 2, r) for r in range(2)]

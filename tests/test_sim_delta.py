@@ -11,8 +11,8 @@ import pytest
 
 from shardsync.cli import main
 from shardsync.delta import codec
-from shardsync.tools.sim_delta import DeltaModel, parse_fractions
-from shardsync.tools.simulate import PRESETS, run_simulate
+from shardsync.programs.sim_delta import DeltaModel, parse_fractions
+from shardsync.programs.simulate import PRESETS, run_simulate
 from test_sim import TINY_HF
 
 KW = dict(trainer="tp2,pp2,ep2", inference="tp2,ep2", replicas=2, trainer_nodes=1, gpus_per_node=8)

@@ -14,15 +14,15 @@ import msgspec
 import pytest
 import torch
 
-from shardsync.engine import messages as m
-from shardsync.engine import puller as puller_mod
-from shardsync.engine.producer import Producer, ProducerConfig
-from shardsync.engine.source_open import SourceOpener
+from shardsync.engine.protocol import messages as m
+from shardsync.engine.consumer import puller as puller_mod
+from shardsync.engine.producer.producer import Producer, ProducerConfig
+from shardsync.engine.source_reads.source_open import SourceOpener
 from shardsync.errors import SyncError
 from shardsync.source import ModuleSource
 from shardsync.transport.loopback import LoopbackTransport
 from shardsync.types import ParamMeta
-from shardsync.zoo import hf_state_dict
+from shardsync.testing.zoo import hf_state_dict
 
 from test_wire import CFG, TOKEN, _catch, _close, _start, _sync, _Zoo
 

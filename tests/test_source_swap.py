@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from shardsync.engine.producer import Producer, ProducerConfig
+from shardsync.engine.producer.producer import Producer, ProducerConfig
 from shardsync.errors import MetadataMismatch
 from shardsync.source import ModuleSource, SourceChanged
 from shardsync.sources.adapt import ForeignSource
-from shardsync.zoo import hf_state_dict
+from shardsync.testing.zoo import hf_state_dict
 
 from test_wire import CFG, TOKEN, _catch, _close, _start, _Zoo
 

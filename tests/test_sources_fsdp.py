@@ -44,7 +44,7 @@ def _check_source(src: FSDPSource, full: dict[str, torch.Tensor]) -> dict:
 
 def _scenario_fsdp(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from shardsync.tools.harness.fsdp_trainer import RefTrainer, build_model
+    from shardsync.testing.harness.fsdp_trainer import RefTrainer, build_model
     trainer = RefTrainer(init_device_mesh("cpu", (WORLD,)), seed=3)
     init = trainer.source().gather(m.name for m in trainer.source().metadata())   # every rank: lockstep
     replica = dict(build_model(seed=3).named_parameters())     # unsharded, same seed: the same initial weights
@@ -60,7 +60,7 @@ def _scenario_fsdp(rank: int) -> dict:
 def _scenario_tp(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from shardsync.tools.harness.fsdp_trainer import RefTrainer
+    from shardsync.testing.harness.fsdp_trainer import RefTrainer
     trainer = RefTrainer(init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp")), seed=5)
     g = torch.Generator().manual_seed(7)                         # TP ranks see the same data
     trainer.step(torch.randint(0, 256, (2, 12), generator=g))

@@ -17,7 +17,7 @@ from shardsync.errors import MetadataMismatch
 from shardsync.sources.megatron import MegatronSource
 from shardsync.sources.megatron_layout import (Item, MegatronConfig, MegatronParallel, hf_shapes, hf_to_megatron_shards,
                                                held_hf_names, local_shapes, megatron_to_hf, merge, padded_vocab, shard)
-from shardsync.zoo.models import ZooConfig, hf_state_dict
+from shardsync.testing.zoo.zoo_models import ZooConfig, hf_state_dict
 
 from helpers import run_rank_scripts, run_scenarios, scenario
 

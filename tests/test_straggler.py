@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardsync.tools.harness.cluster import LocalCluster
-from shardsync.zoo import ZooConfig
+from shardsync.testing.harness.cluster import LocalCluster
+from shardsync.testing.zoo import ZooConfig
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=3)
 LEASE = 2.0
@@ -71,7 +71,7 @@ def test_member_hung_mid_pull_is_dropped_torn_only_if_it_applied() -> None:
 def test_chaos_stragglers_never_fail_the_healthy() -> None:
     """``shardsync chaos --kinds straggler``: every version a straggler was dropped from completes, exact, on every
     other consumer; no deadlock, nothing torn served or mismatched, the stragglers exact at their next sync."""
-    from shardsync.tools.chaos import run_chaos
+    from shardsync.programs.chaos import run_chaos
 
     out = run_chaos(kills=3, seed=5, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=("straggler",))
     assert out["by_kind"] == {"straggler": 3} and out["syncs"] == 4, out

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def run_example(name: str, *args: str) -> dict:
     """The example with the test registration in its vLLM processes: its ``--verify`` inspects its engine."""
-    from shardsync.integrations.vllm.testing import plugin
+    from shardsync.verify import registration as plugin
 
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args, "--json"], capture_output=True,
                           text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **plugin.env()})
@@ -97,7 +97,7 @@ def _tiny_state() -> dict[str, torch.Tensor]:
 def test_source_adapter_both_ways_yields_the_same_batches() -> None:
     from vllm.distributed.weight_transfer.base import WeightSource as VllmWeightSource
 
-    from shardsync.integrations.vllm.sources import as_vllm_source
+    from shardsync.integrations.vllm.vllm_source import as_vllm_source
     from shardsync.source import ModuleSource
     from shardsync.sources import adapt
 

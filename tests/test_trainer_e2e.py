@@ -11,10 +11,10 @@ import time
 import pytest
 
 from shardsync.sources.megatron_layout import MegatronConfig, MegatronParallel, held_hf_names
-from shardsync.tools.harness.trainers import megatron_coords
-from shardsync.tools.harness.cluster import LocalCluster
+from shardsync.testing.harness.trainers import megatron_coords
+from shardsync.testing.harness.cluster import LocalCluster
 from shardsync.types import itemsize
-from shardsync.zoo import ZooConfig, hf_shapes
+from shardsync.testing.zoo import ZooConfig, hf_shapes
 
 from helpers import free_port
 

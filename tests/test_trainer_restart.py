@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
-from shardsync.integrations.vllm.testing.reference import (PROMPT, compare_with, cpu_env, engine_kwargs,
+from shardsync.verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+from shardsync.verify.reference import (PROMPT, compare_with, cpu_env, engine_kwargs,
                                                            fresh_reference, generate, inspect_engine, shutdown)
 
 vllm = pytest.mark.vllm
@@ -51,7 +51,7 @@ torch.set_num_threads(1)
 import requests
 from shardsync.integrations.vllm import compat
 from shardsync.integrations.vllm.ownership import EngineOwnedError
-from shardsync.integrations.vllm.testing.checkpoints import load_checkpoint, perturb
+from shardsync.verify.checkpoints import load_checkpoint, perturb
 from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 from shardsync.source import ModuleSource
 
@@ -374,8 +374,8 @@ def test_over_vllms_openai_server_a_second_trainer_is_refused_and_a_killed_ones_
     trainer process resumes after it (``torn:1+2`` -> 3), takes over once the lease lapsed and heals it, equal to a
     fresh load of version 3's weights in the worker (every tensor and probe output)."""
     from shardsync.integrations.vllm.clients import ShardsyncHTTPClient
-    from shardsync.integrations.vllm.testing.reference import save_checkpoint
-    from shardsync.integrations.vllm.testing.server import VllmServer
+    from shardsync.verify.reference import save_checkpoint
+    from shardsync.testing.vllm.vllm_server import VllmServer
 
     ckpt = build_tiny_checkpoint("qwen3", str(tmp_path / "qwen3"))
     base = load_checkpoint(ckpt)

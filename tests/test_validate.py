@@ -8,7 +8,7 @@ from shardsync.errors import PlanError
 from shardsync.plan.record import record_plan
 from shardsync.source import ModuleSource
 from shardsync.plan.validate import validate_group
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
 
 class SneakyNorm(ZooModel):

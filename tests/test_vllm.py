@@ -20,9 +20,10 @@ import sys
 
 import pytest
 
-from shardsync.integrations.vllm.testing import plugin, tiny_archs
-from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, with_architecture
-from shardsync.integrations.vllm.testing.models import REPROCESS_FAILS
+from shardsync.verify import registration as plugin
+from shardsync.testing.vllm import tiny_archs
+from shardsync.verify.checkpoints import build_tiny_checkpoint, with_architecture
+from shardsync.testing.vllm.fault_models import REPROCESS_FAILS
 
 pytestmark = pytest.mark.vllm
 

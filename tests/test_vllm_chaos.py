@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardsync.tools.chaos import run_chaos_vllm
+from shardsync.programs.chaos import run_chaos_vllm
 
 KINDS = ("engine_kill_mid_sync", "producer_kill", "straggler", "trainer_restart")
 

@@ -59,7 +59,7 @@ def test_the_plugin_patches_only_what_this_vllm_has_and_registers_both_backends(
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
-    from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint
+    from shardsync.verify.checkpoints import build_tiny_checkpoint
 
     return build_tiny_checkpoint("qwen3", str(tmp_path_factory.mktemp("ckpt") / "qwen3"))
 
@@ -69,8 +69,8 @@ def test_vllms_trainer_api_syncs_an_engine_to_what_a_fresh_engine_holds(ckpt, tm
     from vllm import LLM
 
     from shardsync import ModuleSource, SyncError
-    from shardsync.integrations.vllm.testing.checkpoints import load_checkpoint, perturb
-    from shardsync.integrations.vllm.testing.reference import (compare_with, cpu_env, engine_kwargs, generate,
+    from shardsync.verify.checkpoints import load_checkpoint, perturb
+    from shardsync.verify.reference import (compare_with, cpu_env, engine_kwargs, generate,
                                                                inspect_engine, save_checkpoint, shutdown)
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
@@ -106,7 +106,7 @@ def test_vllms_trainer_api_syncs_an_engine_to_what_a_fresh_engine_holds(ckpt, tm
     try:
         from vllm import SamplingParams
 
-        from shardsync.integrations.vllm.testing.reference import PROMPT
+        from shardsync.verify.reference import PROMPT
 
         fresh_tokens = list(fresh.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8),
                                            use_tqdm=False)[0].outputs[0].token_ids)
@@ -130,7 +130,7 @@ def test_vllms_trainer_api_syncs_an_engine_to_what_a_fresh_engine_holds(ckpt, tm
 
 def _dump_model(worker, path: str) -> bool:
     """Runs in the fresh engine's worker: what the testing engine's inspection writes, from the model itself."""
-    from shardsync.integrations.vllm.testing.inspection import write_inspection
+    from shardsync.verify.inspection import write_inspection
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return write_inspection(worker.model_runner.model, path) > 0

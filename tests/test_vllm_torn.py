@@ -31,11 +31,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardsync.integrations.vllm.testing.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
+from shardsync.verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
 from shardsync.integrations.vllm.guard import HeldVersions, TornWeightsError, check_outputs
-from shardsync.integrations.vllm.testing.reference import (PROMPT, compare_with, cpu_env, engine_kwargs,
+from shardsync.verify.reference import (PROMPT, compare_with, cpu_env, engine_kwargs,
                                                            fresh_reference, inspect_engine, shutdown)
-from shardsync.integrations.vllm.testing.push import pack_updates, read_plans
+from shardsync.verify.push import pack_updates, read_plans
 from shardsync.source import ModuleSource
 
 vllm = pytest.mark.vllm  # the engine tests; the first one is pure
@@ -247,8 +247,8 @@ PRODUCER = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from shardsync.engine.producer import Producer, ProducerConfig
-from shardsync.integrations.vllm.testing.checkpoints import load_checkpoint, perturb
+from shardsync.engine.producer.producer import Producer, ProducerConfig
+from shardsync.verify.checkpoints import load_checkpoint, perturb
 from shardsync.source import ModuleSource
 prod = Producer(ModuleSource(perturb(load_checkpoint(sys.argv[1]), 1)),
                 ProducerConfig(rank=0, n_producers=1, n_consumers=1, token="tok", timeout_s=30.0))
@@ -262,7 +262,7 @@ DRIVER = """
 import json, os, signal, sys, tempfile, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: its shutdown runs in this exit
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from shardsync.integrations.vllm.testing.reference import engine_kwargs
+from shardsync.verify.reference import engine_kwargs
 
 if __name__ == "__main__":
     ckpt, address, producer_pid = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])

@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 import torch
 
-from shardsync.engine import messages as m
-from shardsync.engine.consumer import Consumer
-from shardsync.engine.control import ControlClient
-from shardsync.engine.producer import Producer, ProducerConfig
-from shardsync.engine.wire import handshake_client
+from shardsync.engine.protocol import messages as m
+from shardsync.engine.consumer.consumer import Consumer
+from shardsync.engine.protocol.control import ControlClient
+from shardsync.engine.producer.producer import Producer, ProducerConfig
+from shardsync.engine.protocol.wire import handshake_client
 from shardsync.errors import AuthError, ChecksumError, PlanError, ShardsyncError, SyncError, TransportError
 from shardsync.source import ModuleSource
-from shardsync.tools.harness.attacks import FORGES, forged_plan
-from shardsync.tools.harness.consumers import ZooConsumer
+from shardsync.testing.harness.attacks import FORGES, forged_plan
+from shardsync.testing.harness.consumers import ZooConsumer
 from shardsync.transport.tcp import TcpTransport
-from shardsync.zoo import ZooConfig, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, hf_state_dict
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=2)
 TOKEN = "t0ken"
@@ -314,7 +314,7 @@ def test_bind_all_interfaces_advertises_the_given_address_and_data_plane_uses_th
 
 
 def test_addresses_accept_host_port_strings_and_refuse_bad_ones_clearly() -> None:
-    from shardsync.engine.wire import parse_address
+    from shardsync.engine.protocol.wire import parse_address
     from shardsync.transport.tcp import advertised
 
     assert parse_address("10.0.0.7:29600") == ["10.0.0.7", 29600]

@@ -25,14 +25,14 @@ import time
 
 import pytest
 
-from shardsync.engine import messages as m
-from shardsync.engine.control import ControlClient, ControlServer
-from shardsync.engine.producer import Producer, ProducerConfig
+from shardsync.engine.protocol import messages as m
+from shardsync.engine.protocol.control import ControlClient, ControlServer
+from shardsync.engine.producer.producer import Producer, ProducerConfig
 from shardsync.errors import PlanError, SyncError
-from shardsync.tools.harness.attacks import forged_plan
-from shardsync.transport.admission import Admission, accept_loop
+from shardsync.testing.harness.attacks import forged_plan
+from shardsync.security.admission import Admission, accept_loop
 from test_wire import CFG, TOKEN, _catch, _Source, _start, _sync, _Zoo
-from shardsync.zoo import hf_state_dict
+from shardsync.testing.zoo import hf_state_dict
 
 
 def _ack(msg: m.Msg) -> m.Msg:
@@ -79,7 +79,7 @@ def test_the_accept_loop_survives_emfile_and_other_transient_errors() -> None:
 EMFILE_SERVER = r"""
 import json, os, resource, sys
 from shardsync.engine import messages as m
-from shardsync.engine.control import ControlServer
+from shardsync.engine.protocol.control import ControlServer
 srv = ControlServer("127.0.0.1", 0, "tok", lambda msg: m.Ack(), auth_timeout_s=30.0, name="emfile",
                     max_pending=100000, max_per_source=100000)   # no caps: this process runs out of descriptors
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -276,7 +276,7 @@ def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_b
 
 
 def test_the_token_never_shows_in_a_repr() -> None:
-    from shardsync.integrations.vllm.engine import ShardsyncInitInfo
+    from shardsync.integrations.vllm.worker_backend import ShardsyncInitInfo
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
     secret = "s3cr3t-" + os.urandom(8).hex()
@@ -292,7 +292,7 @@ def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
     import torch
 
     from shardsync.errors import TransportError
-    from shardsync.transport.handshake import server_auth
+    from shardsync.security.handshake import server_auth
     from shardsync.transport.tcp import TcpTransport, recv_exact
 
     srv = socket.create_server(("127.0.0.1", 0))
@@ -325,10 +325,10 @@ def test_a_producer_dripping_data_fails_the_read_at_its_deadline() -> None:
 
 
 def test_the_handshake_never_sends_the_token_and_an_answer_cannot_be_replayed() -> None:
-    """Challenge-response both ways (``transport/handshake.py``): what crosses the wire holds no token, a recorded
+    """Challenge-response both ways (``security/handshake.py``): what crosses the wire holds no token, a recorded
     answer does not open a second connection, and a listener without the token cannot pose as a server."""
     from shardsync.errors import AuthError
-    from shardsync.transport.handshake import client_auth, server_auth
+    from shardsync.security.handshake import client_auth, server_auth
 
     def through(server_token: str):
         """A client's handshake with a server holding ``server_token``; every byte the client sent, and the result."""

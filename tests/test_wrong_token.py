@@ -16,20 +16,20 @@ import time
 
 import pytest
 
-from shardsync.engine import control
-from shardsync.engine import messages as m
-from shardsync.engine.control import ControlClient, ControlServer
-from shardsync.engine.producer import Producer, ProducerConfig
+from shardsync.engine.protocol import control
+from shardsync.engine.protocol import messages as m
+from shardsync.engine.protocol.control import ControlClient, ControlServer
+from shardsync.engine.producer.producer import Producer, ProducerConfig
 from shardsync.errors import AuthError, TransportError
 from shardsync.source import ModuleSource
-from shardsync.zoo import ZooConfig, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, hf_state_dict
 
 CFG = ZooConfig.qwen3_moe_tiny(layers=1)
 TOKEN = "the-right-token"
 
 _ENGINE = """
 import json, sys
-from shardsync.engine.consumer import Consumer
+from shardsync.engine.consumer.consumer import Consumer
 out = []
 for i in range(2):  # an engine that retries: two connections, both refused
     c = Consumer(f"r{i}/tp0", json.loads(sys.argv[1]), token="a-wrong-token", record=None, apply=None, init_timeout_s=5)
@@ -104,7 +104,7 @@ def test_refusals_are_bounded_per_address_and_in_what_they_name(monkeypatch, cap
             s.close()
         except OSError:
             pytest.skip("no second loopback source address here")
-        from shardsync.transport.handshake import client_auth
+        from shardsync.security.handshake import client_auth
 
         for _ in range(3):
             s = socket.create_connection(("127.0.0.1", srv.address[1]), source_address=("127.0.0.2", 0), timeout=5)

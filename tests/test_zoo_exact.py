@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import zoo_roundtrip
 from shardsync.plan.coverage import check_coverage
-from shardsync.zoo import ZooConfig, ZooModel, hf_state_dict
+from shardsync.testing.zoo import ZooConfig, ZooModel, hf_state_dict
 
 CASES = {
     "llama_gqa": ZooConfig.llama_tiny(),

@@ -10,11 +10,11 @@ The whole system on one line::
             → transport → consumer: unpack → scatter into the engine's buffers → engine processes layer
 
 Wings, in the order data flows (dependencies point one way, right to left):
-``cli`` → ``tools/`` (one module per CLI command; ``tools/harness``) → ``integrations/`` (vllm, ray, verl) →
+``cli`` → ``programs/`` (one module per CLI command; ``programs/harness``) → ``integrations/`` (vllm, ray, verl) →
 ``engine/`` (producer, consumer, coordinator, control, loopback) → ``transport/`` and ``plan/`` (record,
 groups, coverage, pack, route, opcodec, validate) → ``types``, ``errors``, ``source``.
 ``sources/`` holds the trainer-side sources (FSDP2, Megatron); ``kernels/`` device kernels for the process
-step; ``zoo/`` tiny models with vLLM's loader semantics (tests, benchmarks and the simulator only).
+step; ``testing/zoo/`` tiny models with vLLM's loader semantics (tests, benchmarks and the simulator only).
 
 The public API is ``__all__``: what a user calls. The runtime, the sharded sources and vLLM's init info load
 on first use (PEP 562), so ``import shardsync`` imports neither vllm nor ray nor the runtime::
@@ -39,8 +39,8 @@ from .source import ModuleSource, WeightSource
 from .types import GroupPlan, ParamMeta, Plan
 
 if TYPE_CHECKING:  # the lazy names, for type checkers and readers
-    from .engine.consumer import Consumer
-    from .engine.producer import Producer, ProducerConfig
+    from .engine.consumer.consumer import Consumer
+    from .engine.producer.producer import Producer, ProducerConfig
     from .integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
     from .sources.fsdp import FSDPSource
     from .sources.megatron import MegatronConfig, MegatronParallel, MegatronSource
@@ -63,9 +63,9 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """PEP 562: load the module behind a lazy public name on first access (and keep it)."""
     if name in ("Producer", "ProducerConfig"):
-        from .engine import producer as mod
+        from .engine.producer import producer as mod
     elif name == "Consumer":
-        from .engine import consumer as mod
+        from .engine.consumer import consumer as mod
     elif name == "FSDPSource":
         from .sources import fsdp as mod                            # torch.distributed.tensor
     elif name in ("MegatronSource", "MegatronConfig", "MegatronParallel"):

@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .tools.output import json_mode
+    from .verify.output import json_mode
 
     args = _parser().parse_args(argv)
     if getattr(args, "json", False):  # stdout carries only the JSON: vLLM's logs (engines, workers) go to stderr
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if args.cmd == "verify":  # its human summary goes to stderr itself; its JSON line to stdout
-        from .tools.verify import run_verify
+        from .verify.program import run_verify
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
                           validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference,
@@ -123,19 +123,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "demo":
-        from .tools.demo import run
+        from .programs.demo import run
 
         return run(args)
     if args.cmd == "bench":
-        from .tools.bench import run
+        from .programs.bench import run
 
         return run(args)
     if args.cmd == "chaos":
-        from .tools.chaos import run
+        from .programs.chaos import run
 
         return run(args)
     if args.cmd == "simulate":
-        from .tools.simulate import run
+        from .programs.simulate import run
 
         return run(args)
     return 2

@@ -179,7 +179,7 @@ class LiveTensors:
     ``_modules`` lookup per module), each name looked up in its owner's ``_parameters``/``_buffers``, and each batch's
     objects compared with last pass's (``plan.viewcache.SameTensors``: the same objects at the same addresses, strides
     and sizes, and the same dtypes). Unchanged, the batch gets the SAME tensors as last pass (so the producer's
-    per-batch identity check, ``engine/same_batches.py``, holds for it); changed, new ones (a parameter's detached
+    per-batch identity check, ``engine/producer/same_batches.py``, holds for it); changed, new ones (a parameter's detached
     alias, a plain tensor itself), each checked against ``expect``, so the producer checks that batch in full. Between
     passes it keeps the aliases it served (the parameters' own storage, no copy): a swapped-out tensor's storage is let
     go at the next pass. Names a state-dict hook renames (no attribute of that path holds the tensor) are read from one

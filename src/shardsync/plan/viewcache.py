@@ -1,6 +1,6 @@
 """The packers' and unpackers' view caches (``plan/pack.py``): views of tensors that stay the same objects from one
 call to the next are built once and replayed; :class:`SameTensors` says whether they are the same (also used by the
-producer's per-batch checks, ``engine/same_batches.py``)."""
+producer's per-batch checks, ``engine/producer/same_batches.py``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class SameTensors:
     ``None`` entries are allowed (a source's position left empty) and must stay ``None``. A ``.data`` swap or a
     re-allocation is noticed; only an in-place ``as_strided_``/``set_`` to another shape with the same address,
     strides and size would not be. Used by the view caches here and the producer's per-batch checks
-    (``engine/same_batches.py``)."""
+    (``engine/producer/same_batches.py``)."""
 
     __slots__ = ("sig", "refs")
 

@@ -83,7 +83,7 @@ class AutoTransport:
         return view(producer) if view is not None else None
 
     def share(self, t: torch.Tensor) -> dict[str, Any]:
-        """Source reads (``engine/source_share.py``): a trainer tensor's storage, through ``cuda_ipc`` (only consumers
+        """Source reads (``engine/source_reads/source_share.py``): a trainer tensor's storage, through ``cuda_ipc`` (only consumers
         that chose it map it; the others say so and are sent packed groups)."""
         if not t.is_cuda:
             raise TransportError("auto shares CUDA tensors only (through cuda_ipc)")

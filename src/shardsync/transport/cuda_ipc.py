@@ -9,7 +9,7 @@ mapped allocation gives no signal of its own::
     desc = CudaIpcTransport().register(ring)                       # producer (cuda:0)
     t = CudaIpcTransport(); t.connect(0, desc); t.read(0, off, n, recv, timeout_s=10)   # consumer
 
-Source reads (``engine/source_share.py``): ``share(t)`` exports the storage holding a trainer tensor (once; the
+Source reads (``engine/source_reads/source_share.py``): ``share(t)`` exports the storage holding a trainer tensor (once; the
 descriptor is cached by the caller) and ``open_shared(p, desc)`` maps it into the consumer as a uint8 tensor over the
 whole storage, so a colocated consumer scatters straight from the trainer's weights (no pack pass, no ring).
 """

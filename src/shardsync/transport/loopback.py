@@ -44,7 +44,7 @@ class LoopbackTransport:
         return _REGISTRY.get(key) if key is not None else None
 
     def share(self, t: torch.Tensor) -> dict[str, Any]:
-        """Source reads (``engine/source_share.py``): the storage holding ``t``, registered in this process."""
+        """Source reads (``engine/source_reads/source_share.py``): the storage holding ``t``, registered in this process."""
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), 0,
                                                                          (t.untyped_storage().nbytes(),))
         return self.register(whole)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import TransportError
 from .base import Caps, check_range, poll
-from .admission import Admission, accept_loop
+from ..security.admission import Admission, accept_loop
 from .tcp import advertised, recv_exact, send_token, token_ok
 
 __all__ = ["NcclTransport"]

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from ..errors import TransportError
-from .admission import Admission, accept_loop
+from ..security.admission import Admission, accept_loop
+from ..security.handshake import client_auth, recv_exact, server_auth
 from .base import Caps, check_range
 
 _REQ = struct.Struct("!QQ")  # offset, nbytes
@@ -43,37 +44,15 @@ def advertised(host: str, advertise_host: str | None) -> str:
     return host
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None, *,
-               deadline: float | None = None) -> bytes | None:
-    """Read exactly n bytes (into ``into`` when given). Raises ConnectionError on EOF; with ``deadline`` (a
-    ``time.monotonic()`` value) ``socket.timeout`` once it passes, however the bytes trickle in."""
-    buf = into if into is not None else memoryview(bytearray(n))
-    got = 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout(f"{got} of {n} bytes by the deadline")
-            sock.settimeout(left)
-        k = sock.recv_into(buf[got:], n - got)
-        if k == 0:
-            raise ConnectionError("peer closed the connection")
-        got += k
-    return None if into is not None else bytes(buf)
-
-
 def token_ok(conn: socket.socket, token: str, timeout_s: float, on_refused: Any = None) -> bool:
-    """The server side of the data plane's handshake (``handshake.py``): True when the peer proved the token. The
+    """The server side of the data plane's handshake (``security/handshake.py``): True when the peer proved the token. The
     data plane runs plain (no frame MACs): chunk tags in MACed ``Ready`` frames cover its bytes end to end."""
-    from .handshake import server_auth
-
     return server_auth(conn, token, deadline_s=timeout_s, on_refused=on_refused) is not None
 
 
 def send_token(sock: socket.socket, token: str, extra: bytes = b"") -> bool:
     """The client side: prove the token (then send ``extra``); False when the server refused it."""
     from ..errors import AuthError
-    from .handshake import client_auth
 
     try:
         client_auth(sock, token, peer="producer")

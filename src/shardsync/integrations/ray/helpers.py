@@ -24,8 +24,8 @@ from typing import Any
 
 import ray
 
-from ...engine.consumer import Consumer
-from ...engine.producer import Producer, ProducerConfig
+from ...engine.consumer.consumer import Consumer
+from ...engine.producer.producer import Producer, ProducerConfig
 from .registry import lookup, publish
 
 __all__ = ["start_producer", "start_consumer", "engine_init_info"]

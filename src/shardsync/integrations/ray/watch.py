@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from ...engine import messages as m
-from ...engine.control import ControlClient
+from ...engine.protocol import messages as m
+from ...engine.protocol.control import ControlClient
 from .registry import lookup
 
 __all__ = ["EngineWatch"]

@@ -35,7 +35,7 @@ from typing import Any, AsyncGenerator, Generator
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from ...engine.producer import Producer, ProducerConfig
+from ...engine.producer.producer import Producer, ProducerConfig
 from ...errors import MetadataMismatch, SyncError
 from .receiver import Receiver
 from .rendezvous import Rendezvous, lookup

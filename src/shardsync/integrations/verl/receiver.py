@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ...engine.consumer import Consumer
+from ...engine.consumer.consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
 from ...plan.record import record_plan

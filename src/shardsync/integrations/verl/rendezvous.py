@@ -11,7 +11,7 @@ workers) polls it until a version newer than the one it holds appears, within a 
     rv.publish(coordinator=producer.address, version=3)
     info = lookup(rv.address, token, after=2, timeout_s=60, who="rollout 1")   # anyone else
 
-The service is the engine's own control server (``engine/control.py``: the token handshake before any
+The service is the engine's own control server (``engine/protocol/control.py``: the token handshake before any
 frame, size-limited msgpack frames, idle and unauthenticated connections timed out), answering one
 message: ``Lookup`` → ``Published(coordinator=[host, port] | None, version=n)``. A wrong token gets nothing.
 """
@@ -22,8 +22,8 @@ import threading
 import time
 from typing import Any
 
-from ...engine import messages as m
-from ...engine.control import ControlClient, ControlServer
+from ...engine.protocol import messages as m
+from ...engine.protocol.control import ControlClient, ControlServer
 from ...errors import AuthError, SyncError, TransportError
 
 __all__ = ["Rendezvous", "lookup"]

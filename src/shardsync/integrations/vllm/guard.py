@@ -251,7 +251,7 @@ def _refuse_all(core: Any) -> dict[int, Any]:
 
 def serves_shardsync(core: Any) -> bool:
     """Whether this engine core was started with the shardsync backend (the guard does nothing elsewhere)."""
-    from .plugin import selects_shardsync
+    from .selection import selects_shardsync
 
     return selects_shardsync(getattr(core, "vllm_config", None))
 

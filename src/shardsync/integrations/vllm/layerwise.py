@@ -30,7 +30,7 @@ from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
-from .fresh import TensorSnapshot, fresh_state
+from .first_load import TensorSnapshot, fresh_state
 from .checkpoint_shapes import engine_checkpoint, refuse_foreign_shapes
 from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
 from .processor import find_aliases, restore_live, validate_processing

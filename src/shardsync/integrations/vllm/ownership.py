@@ -62,7 +62,7 @@ class Owner:
 
     @classmethod
     def of(cls, init_info: Any) -> "Owner":
-        from ...engine.wire import parse_address
+        from ...engine.protocol.wire import parse_address
 
         host, port = parse_address(init_info.coordinator)
         return cls(coordinator=(str(host), int(port)), session=str(getattr(init_info, "session", "") or ""))
@@ -76,8 +76,8 @@ def _probe(consumer: Any, timeout_s: float) -> str:
     """Ask the owner's coordinator to renew this worker's lease now: ``"live"`` (answered, or it says we were dropped:
     it is there and the consumer rejoins it), ``"other"`` (a server that does not know the session: another group
     took the address) or ``"silent"`` (unreachable, or no answer within ``timeout_s``)."""
-    from ...engine import messages as m
-    from ...engine.control import ControlClient
+    from ...engine.protocol import messages as m
+    from ...engine.protocol.control import ControlClient
     from ...errors import ConsumerDropped
 
     client = None

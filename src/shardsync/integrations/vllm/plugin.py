@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 
-BACKEND = "shardsync"
+from .selection import BACKEND, selects_shardsync  # noqa: F401  (re-exported: the plugin's public names)
+
 FAILED: dict[str, str] = {}
 """Plugin steps that failed in this process: step name -> error (read by :func:`require_plugin`)."""
 log = logging.getLogger("shardsync.plugin")
@@ -32,12 +33,6 @@ def register() -> None:
             log.warning("shardsync plugin: %s skipped: %s: %s", step.__name__.lstrip("_"), type(e).__name__, e)
 
 
-def selects_shardsync(vllm_config) -> bool:
-    """Whether an engine's config selects the shardsync backend (the hooks act only in such engines)."""
-    cfg = getattr(vllm_config, "weight_transfer_config", None)
-    return getattr(cfg, "backend", None) == BACKEND
-
-
 def require_plugin() -> None:
     """Raise, naming the vLLM version, if a plugin step a shardsync engine needs failed in this process."""
     if FAILED:
@@ -49,7 +44,7 @@ def require_plugin() -> None:
 
 
 def _install_snapshot_hook() -> None:
-    from .fresh import install_snapshot_hook
+    from .first_load import install_snapshot_hook
 
     install_snapshot_hook()  # every process that may build a model: record each module's first-load state
 
@@ -76,7 +71,7 @@ def _register_worker() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:  # driver, engine core and workers all load plugins
-        WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.engine", "ShardsyncEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, "shardsync.integrations.vllm.worker_backend", "ShardsyncEngine")
 
 
 def _request_amx() -> None:

@@ -26,8 +26,8 @@ from torch import nn
 
 from ...errors import PlanError, SyncError
 from .compat import is_deferred_attention_layer
-from .engine_state import weight_state_attrs
-from .fresh import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
+from .model_state import weight_state_attrs
+from .first_load import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
                     set_state, state_flags)
 
 __all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "restore_live", "validate_processing"]

@@ -32,9 +32,9 @@ from typing import Any, ClassVar
 
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
-from ...engine import messages as m
-from ...engine.producer import Producer, ProducerConfig
-from ...engine.producer_sync import finish_lockstep
+from ...engine.protocol import messages as m
+from ...engine.producer.producer import Producer, ProducerConfig
+from ...engine.producer.producer_sync import finish_lockstep
 from ...errors import SyncError
 from ...sources.adapt import adapt
 from . import compat

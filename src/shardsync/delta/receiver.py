@@ -1,0 +1,173 @@
+"""Consumer side of delta sync (``Consumer(delta=True)``): a held copy of its chunks, patched by deltas.
+
+:class:`HeldChunks` keeps the packed bytes of every chunk of the consumer's plan (one arena on its lane's device:
+``stats["delta_held_bytes"]``, the plan's packed size) and, per chunk, the version they are. Per chunk of a
+``Ready`` (:func:`read_held`):
+
+- the producer offers a delta (``Ready.deltas``, ``sender.py``) whose base is the version held: read only the
+  payload into a staging buffer (one per producer, the largest chunk: ``delta_staging_bytes``), decode it into
+  the held copy (validated before a byte is written) and check the producer's xxh3 of the new dense bytes (and
+  the chunk's own checksum or keyed tag, where it came). A failure there — a malformed entry, a bad payload, a
+  checksum mismatch — reads the dense bytes instead, in the same sync (``delta_heals``);
+- else (first sync, restarted, rejoined after a missed version, torn, no delta offered): read the dense bytes
+  into the held copy (``delta_dense_chunks``).
+
+The group is then applied from the held copy (a :class:`~shardsync.plan.pack.ChunkParts`; no receive slots, no
+direct reads). Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
+a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read is dense.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .sender import CODE_KIND, ENTRY_LEN
+from . import codec
+from ..errors import ChecksumError, DeltaError, SyncError, TransportError
+from ..plan.pack import ALIGN, ChunkParts, GroupLayout
+
+if TYPE_CHECKING:
+    from ..engine.consumer.puller import Puller
+
+__all__ = ["HeldChunks", "read_held", "parse_offers"]
+
+
+class HeldChunks:
+    """The consumer's chunks at the versions it completed (see the module docstring)."""
+
+    def __init__(self, layouts: dict[str, GroupLayout], *, device: torch.device):
+        self.layouts, self.device = layouts, device
+        self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        need = 0
+        for g, lay in layouts.items():
+            for c in lay.chunks:
+                self.offsets[(g, c.index)] = (need, c.nbytes)
+                need += (c.nbytes + ALIGN - 1) // ALIGN * ALIGN
+        self.arena = torch.zeros(need, dtype=torch.uint8, device=device)
+        self.largest = max((n for _, n in self.offsets.values()), default=0)
+        self.versions: dict[tuple[str, int], int | None] = dict.fromkeys(self.offsets)
+        self._staging: dict[int, torch.Tensor] = {}
+        self._touched: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+        self.counts = dict.fromkeys(("delta_chunks", "delta_dense_chunks", "delta_heals", "delta_rejected",
+                                     "delta_payload_bytes", "delta_dense_bytes"), 0)
+
+    def view(self, group: str, ci: int) -> torch.Tensor:
+        off, n = self.offsets[(group, ci)]
+        return self.arena[off: off + n]
+
+    def parts(self, group: str) -> ChunkParts:
+        """What ``apply`` gets for ``group``: each chunk's held bytes."""
+        return ChunkParts([(c, self.view(group, c.index)) for c in self.layouts[group].chunks])
+
+    def staging(self, p: int) -> torch.Tensor:
+        with self._lock:
+            s = self._staging.get(p)
+            if s is None:
+                s = self._staging[p] = torch.empty(self.largest, dtype=torch.uint8, device=self.device)
+            return s
+
+    def begin(self) -> None:
+        self._touched = set()
+        for k in self.counts:
+            self.counts[k] = 0
+
+    def touch(self, group: str, ci: int) -> int | None:
+        """The chunk is about to be written in this sync: returns the version it held; unversioned until commit."""
+        with self._lock:
+            self._touched.add((group, ci))
+            return self.versions[(group, ci)]
+
+    def count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self.counts[k] += v
+
+    def commit(self, version: int) -> None:
+        for k in self._touched:
+            self.versions[k] = version
+        self._touched = set()
+
+    def fail(self) -> None:
+        for k in self._touched:
+            self.versions[k] = None
+        self._touched = set()
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.counts, delta_held_bytes=self.arena.numel(),
+                    delta_staging_bytes=sum(s.numel() for s in self._staging.values()))
+
+
+def parse_offers(ready: Any, lay: GroupLayout, *, where: str) -> tuple[dict[int, tuple[int, codec.DeltaHeader]], int]:
+    """``Ready.deltas`` checked against the announced chunks and this consumer's layout: chunk index -> (offset,
+    header). Entries that are malformed are dropped (those chunks are read dense; returned as the second value);
+    more entries than chunks, a chunk not announced or offered twice is a protocol error."""
+    announced = {x[0] for x in ready.chunks}
+    if len(ready.deltas) > len(ready.chunks):
+        raise SyncError(f"{where}: {len(ready.deltas)} delta entries for {len(ready.chunks)} chunks")
+    out: dict[int, tuple[int, codec.DeltaHeader]] = {}
+    rejected = 0
+    for e in ready.deltas:
+        if len(e) != ENTRY_LEN or e[0] not in announced or e[0] in out:
+            raise SyncError(f"{where}: delta entry {e[:ENTRY_LEN]!r} is not [chunk, offset, kind, count, base, "
+                            f"checksum] of an announced chunk offered once")
+        ci, off, kind, count, base, csum = e
+        try:
+            if kind not in CODE_KIND or off < 0:
+                raise DeltaError(f"{where}: delta entry of chunk {ci}: kind {kind} / offset {off}")
+            h = codec.DeltaHeader(kind=CODE_KIND[kind], nbytes=lay.chunks[ci].nbytes, count=count, base=base,
+                                  checksum=csum)
+            codec.check_header(h, nbytes=lay.chunks[ci].nbytes, where=f"{where}, chunk {ci}")
+            if h.checksum is None:
+                raise DeltaError(f"{where}: delta of chunk {ci} without a checksum")
+        except DeltaError:
+            rejected += 1
+            continue
+        out[ci] = (off, h)
+    return out, rejected
+
+
+def read_held(pl: Puller, ready: Any) -> int:
+    """Producer ``pl.p``'s chunks of ``ready.group`` into the held copy, each as a delta where one applies to the
+    version held, else dense; returns the bytes read (the wire bytes)."""
+    from ..engine.consumer.puller import producer_lost
+
+    c, p, version = pl.c, pl.p, pl.rnd.version
+    held: HeldChunks = c.held
+    group, lay = ready.group, c.layouts[ready.group]
+    where = f"consumer {c.id}: producer {p}, group {group!r}, version {version}"
+    offers, rejected = parse_offers(ready, lay, where=where)
+    held.count(delta_rejected=rejected, delta_heals=rejected)
+    got = 0
+    for ci, _, off, n, checksum, tag in pl.announced(ready):
+        dst = held.view(group, ci)
+        have = held.touch(group, ci)
+        offer = offers.get(ci)
+        try:
+            if offer is not None and have is not None and offer[1].base == have:
+                d_off, h = offer
+                size = codec.payload_nbytes(h.kind, n, h.count)
+                buf = held.staging(p)[:size]
+                if size:
+                    c.transport.read(p, d_off, size, buf, timeout_s=max(c.lease_s, size / 50e6))
+                got += size
+                try:
+                    codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
+                    codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
+                    pl.verify(dst, checksum, tag, group, ci, hashed=h.checksum)  # its own checksum / keyed tag
+                    held.count(delta_chunks=1, delta_payload_bytes=size)
+                    continue
+                except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones
+                    held.count(delta_heals=1)
+            c.transport.read(p, off, n, dst, timeout_s=max(c.lease_s, n / 50e6))
+        except TransportError as e:
+            if isinstance(e, ChecksumError):
+                raise
+            raise producer_lost(c.id, p, version, group, e) from None
+        pl.verify(dst, checksum, tag, group, ci)
+        held.count(delta_dense_chunks=1, delta_dense_bytes=n)
+        got += n
+    return got

@@ -1,0 +1,61 @@
+"""What one producer packs and serves: its units (one chunk of one plan's group each) and its lockstep schedule.
+
+Built from the coordinator's assignments at init, and again when a rejoiner's new plan bumps the epoch.
+Every plan's units of one group share that group's ring slot, at fixed offsets; the slot size is the
+largest group's. Packers are built once here (their views are then kept between syncs)::
+
+    units, schedule, slot_bytes = build_units(assignments, metas, source, rank=0, max_chunk_bytes=64 << 20)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from ..protocol import messages as m
+from ..schedule import Lockstep, lockstep
+from ...errors import TransportError
+from ...plan.pack import Chunk, GroupPacker, _align
+from ...plan.route import chunk_layouts, digest_of, holders_from_ownership
+from ...types import ParamMeta, Plan
+
+__all__ = ["Unit", "build_units"]
+
+
+@dataclass
+class Unit:
+    """One chunk of one plan's group that this producer packs and serves (fixed per assignment epoch)."""
+
+    digest: str
+    chunk: Chunk
+    slot_offset: int  # offset inside a ring slot
+    packer: GroupPacker
+    sources: frozenset[str]  # checkpoint names the chunk's slices come from
+
+
+def build_units(asg: Any, metas: list[ParamMeta], source: Any, *, rank: int,
+                max_chunk_bytes: int) -> tuple[dict[str, list[Unit]], Lockstep, int]:
+    """(group -> this rank's units, the lockstep schedule of its source, ring slot bytes)."""
+    if not isinstance(asg, m.Assignments):
+        raise TransportError(f"producer {rank}: coordinator answered {type(asg).__name__}, expected Assignments")
+    plans = {p.digest: p for p in (Plan.from_json(b) for b in asg.plans)}
+    holders = holders_from_ownership(asg.held, [x.name for x in metas])
+    units: dict[str, list[Unit]] = defaultdict(list)
+    slot_end: dict[str, int] = defaultdict(int)  # units of every plan share their group's slot
+    for d, routes in sorted(asg.routes.items()):  # d: a route key (a plan digest, per node where node-aware)
+        plan = plans[digest_of(d)]
+        layouts = chunk_layouts(plan, holders, max_chunk_bytes=max_chunk_bytes)
+        for g, per_chunk in routes.items():
+            for ci, p in enumerate(per_chunk):
+                if p == rank:
+                    lay, gp = layouts[g], plan.group(g)
+                    c = lay.chunks[ci]
+                    srcs = frozenset(s.src for s in gp.scatters[c.first:c.stop])
+                    units[g].append(Unit(d, c, slot_end[g], GroupPacker(gp, lay), srcs))
+                    slot_end[g] = _align(slot_end[g] + c.nbytes, 64)
+    needs = {g: frozenset().union(*(u.sources for u in us)) for g, us in units.items()}
+    schedule = lockstep(source.groups(), needs=needs, held=source.held_names(),
+                        nbytes={x.name: x.nbytes for x in metas}, rank=rank)
+    slot = _align(max(max((u.slot_offset + u.chunk.nbytes for us in units.values() for u in us), default=0), 1), 64)
+    return dict(units), schedule, slot

@@ -1,3 +1,0 @@
-"""The scaffolding tests, benchmarks and the CLI's programs share, written once: zoo consumers
-(``consumers``), the vLLM-engine wrapper (``vllm_engine``), process hosts (``hosts``: local processes and Ray
-actors behind one interface), the local cluster (``cluster``) and the trainer stand-ins (``trainers``)."""
