@@ -10,7 +10,7 @@ import pytest
 
 from shardsync.engine.lanes import Lane, hot_path
 from shardsync.engine.producer.publish import Publisher
-from shardsync.engine.producer.versions import ServedVersions, VersionState
+from shardsync.engine.producer.versions import VersionState, next_group_for
 from shardsync.errors import SyncError
 
 
@@ -25,7 +25,7 @@ def _state() -> VersionState:
 
 def test_next_group_after_is_idempotent_and_skips_other_plans_and_released_groups() -> None:
     st = _state()
-    nxt = ServedVersions._next_for
+    nxt = next_group_for
     assert nxt(st, "c0", "d") == "pre"
     assert nxt(st, "c0", "d", "pre") == "model.layers.1"  # layers.0 is not packed for plan d
     assert nxt(st, "c0", "d", "pre") == "model.layers.1"  # asked again: same answer

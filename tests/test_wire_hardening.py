@@ -78,7 +78,7 @@ def test_the_accept_loop_survives_emfile_and_other_transient_errors() -> None:
 
 EMFILE_SERVER = r"""
 import json, os, resource, sys
-from shardsync.engine import messages as m
+from shardsync.engine.protocol import messages as m
 from shardsync.engine.protocol.control import ControlServer
 srv = ControlServer("127.0.0.1", 0, "tok", lambda msg: m.Ack(), auth_timeout_s=30.0, name="emfile",
                     max_pending=100000, max_per_source=100000)   # no caps: this process runs out of descriptors

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .config import GroupSettings
 from .errors import (AuthError, ChecksumError, ChunkMacError, ConsumerDropped, CoverageError, FrameMacError,
                      MetadataMismatch, NotMember, PlanError, ProducerLost, ShardsyncError, SyncError, TransportError,
                      UnsupportedLoaderOp)
@@ -51,6 +52,8 @@ __all__ = [
     "Producer", "ProducerConfig",
     # inference side
     "Consumer", "ShardsyncTrainerInitInfo",
+    # the group-wide settings every surface embeds
+    "GroupSettings",
     # what they exchange
     "ParamMeta", "Plan", "GroupPlan",
     # errors

@@ -2,7 +2,8 @@
 
 :class:`HeldChunks` keeps the packed bytes of every chunk of the consumer's plan (one arena on its lane's device:
 ``stats["delta_held_bytes"]``, the plan's packed size) and, per chunk, the version they are. Per chunk of a
-``Ready`` (:func:`read_held`):
+``Ready`` (:func:`read_held`; the engine's ``HeldSink`` in ``engine/consumer/chunksinks.py`` calls it with its
+transport read and its puller's checks, so this module needs no engine):
 
 - the producer offers a delta (``Ready.deltas``, ``sender.py``) whose base is the version held: read only the
   payload into a staging buffer (one per producer, the largest chunk: ``delta_staging_bytes``), decode it into
@@ -20,19 +21,22 @@ a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Iterable
 
 import torch
 
 from .sender import CODE_KIND, ENTRY_LEN
 from . import codec
-from ..errors import ChecksumError, DeltaError, SyncError, TransportError
+from ..errors import ChecksumError, DeltaError, SyncError
 from ..plan.pack import ALIGN, ChunkParts, GroupLayout
 
-if TYPE_CHECKING:
-    from ..engine.consumer.puller import Puller
-
 __all__ = ["HeldChunks", "read_held", "parse_offers"]
+
+Fetch = Callable[[int, int, torch.Tensor], None]
+"""``fetch(offset, nbytes, dst)``: ``nbytes`` of the producer's buffer at ``offset`` into ``dst``."""
+Verify = Callable[..., None]
+"""``verify(data, checksum, tag, group, chunk, hashed=None)``: raises ChecksumError (or ChunkMacError) for bytes
+that are not the producer's."""
 
 
 class HeldChunks:
@@ -130,44 +134,40 @@ def parse_offers(ready: Any, lay: GroupLayout, *, where: str) -> tuple[dict[int,
     return out, rejected
 
 
-def read_held(pl: Puller, ready: Any) -> int:
-    """Producer ``pl.p``'s chunks of ``ready.group`` into the held copy, each as a delta where one applies to the
-    version held, else dense; returns the bytes read (the wire bytes)."""
-    from ..engine.consumer.puller import producer_lost
+def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[int, Any, int, int, int, bytes | None]],
+              *, fetch: Fetch, verify: Verify, where: str) -> int:
+    """Producer ``p``'s chunks of ``ready.group`` into the held copy, each as a delta where one applies to the
+    version held, else dense; returns the bytes read (the wire bytes).
 
-    c, p, version = pl.c, pl.p, pl.rnd.version
-    held: HeldChunks = c.held
-    group, lay = ready.group, c.layouts[ready.group]
-    where = f"consumer {c.id}: producer {p}, group {group!r}, version {version}"
-    offers, rejected = parse_offers(ready, lay, where=where)
+    ``announced``: the reader's checked chunks of ``ready`` (index, layout entry, offset, bytes, checksum, tag);
+    ``fetch(offset, nbytes, dst)``: read bytes of producer ``p``'s buffer (its errors are the reader's to type);
+    ``verify(data, checksum, tag, group, chunk[, hashed=])``: the chunk's own checksum or keyed tag (ChecksumError);
+    ``where``: who reads what, for errors."""
+    group = ready.group
+    offers, rejected = parse_offers(ready, held.layouts[group], where=where)
     held.count(delta_rejected=rejected, delta_heals=rejected)
     got = 0
-    for ci, _, off, n, checksum, tag in pl.announced(ready):
+    for ci, _, off, n, checksum, tag in announced:
         dst = held.view(group, ci)
         have = held.touch(group, ci)
         offer = offers.get(ci)
-        try:
-            if offer is not None and have is not None and offer[1].base == have:
-                d_off, h = offer
-                size = codec.payload_nbytes(h.kind, n, h.count)
-                buf = held.staging(p)[:size]
-                if size:
-                    c.transport.read(p, d_off, size, buf, timeout_s=max(c.lease_s, size / 50e6))
-                got += size
-                try:
-                    codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
-                    codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
-                    pl.verify(dst, checksum, tag, group, ci, hashed=h.checksum)  # its own checksum / keyed tag
-                    held.count(delta_chunks=1, delta_payload_bytes=size)
-                    continue
-                except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones
-                    held.count(delta_heals=1)
-            c.transport.read(p, off, n, dst, timeout_s=max(c.lease_s, n / 50e6))
-        except TransportError as e:
-            if isinstance(e, ChecksumError):
-                raise
-            raise producer_lost(c.id, p, version, group, e) from None
-        pl.verify(dst, checksum, tag, group, ci)
+        if offer is not None and have is not None and offer[1].base == have:
+            d_off, h = offer
+            size = codec.payload_nbytes(h.kind, n, h.count)
+            buf = held.staging(p)[:size]
+            if size:
+                fetch(d_off, size, buf)
+            got += size
+            try:
+                codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
+                codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
+                verify(dst, checksum, tag, group, ci, hashed=h.checksum)  # its own checksum / keyed tag
+                held.count(delta_chunks=1, delta_payload_bytes=size)
+                continue
+            except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones
+                held.count(delta_heals=1)
+        fetch(off, n, dst)
+        verify(dst, checksum, tag, group, ci)
         held.count(delta_dense_chunks=1, delta_dense_bytes=n)
         got += n
     return got

@@ -7,7 +7,7 @@ mapped ring or its tensors), fenced (an event with a deadline, never a device sy
 applies are already queued on the GPU, and its receive slot freed — or, read directly, the group released to its
 producers. After a failure nothing more is applied; slots are still freed::
 
-    applier = Applier(consumer, rnd)
+    applier = Applier(ctx, rnd, apply)
     applier.start()
     ...                              # pullers hand it groups through rnd.landed
     finished = applier.finish(timeout_s=120)
@@ -18,12 +18,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
+from .pullcontext import PullContext
 from ...transport.base import wait_event
 
 if TYPE_CHECKING:
-    from .consumer import Consumer
     from .puller import PullRound
 
 __all__ = ["Applier", "DEPTH"]
@@ -35,9 +35,9 @@ DEPTH = 3
 class Applier(threading.Thread):
     """The apply thread of one consumer sync (schedule rule 10)."""
 
-    def __init__(self, consumer: Consumer, rnd: PullRound):
-        super().__init__(name=f"shardsync-apply-{consumer.id}", daemon=True)
-        self.c, self.rnd = consumer, rnd
+    def __init__(self, ctx: PullContext, rnd: PullRound, apply: Callable[[str, Any], None]):
+        super().__init__(name=f"shardsync-apply-{ctx.id}", daemon=True)
+        self.ctx, self.rnd, self.apply = ctx, rnd, apply
         self.seconds = 0.0
         """Time spent applying (``stats["apply_s"]``)."""
         self.applied_any = False
@@ -62,26 +62,26 @@ class Applier(threading.Thread):
                 flight.append(launched)
 
     def _launch(self, g: str) -> tuple[str, Any, float] | None:
-        c, rnd = self.c, self.rnd
+        lane, rnd = self.ctx.lane, self.rnd
         t0 = time.perf_counter()
         try:
             if rnd.errors:
                 rnd.free(g)
                 return None
             self.applied_any = True
-            with c.lane:
-                c.apply(g, rnd.take(g))
-            return g, c.lane.record(), t0
+            with lane:
+                self.apply(g, rnd.take(g))
+            return g, lane.record(), t0
         except BaseException as e:  # surfaces in the calling thread
             rnd.fail(e)
             rnd.free(g)
             return None
 
     def _retire(self, g: str, ev: Any, t0: float) -> None:
-        c, rnd = self.c, self.rnd
+        ctx, rnd = self.ctx, self.rnd
         try:
             if ev is not None:
-                wait_event(ev, timeout_s=c.timeout_s, what=f"consumer {c.id}: applying group {g!r}")
+                wait_event(ev, timeout_s=ctx.timeout_s, what=f"consumer {ctx.id}: applying group {g!r}")
             self.seconds += time.perf_counter() - t0
             if not rnd.errors:
                 rnd.applied(g)

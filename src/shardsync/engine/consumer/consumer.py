@@ -2,7 +2,9 @@
 
 How a sync's pulls and applies overlap (pullers, receive slots, the applier) is ``engine/schedule.py``'s
 rules 8-10; the threads are ``puller.py``'s :class:`Puller` (one per producer) and ``applier.py``'s
-:class:`Applier`. The consumer's protocol:
+:class:`Applier`. They see this consumer only through the :class:`~.pullcontext.PullContext` it builds at ``init``,
+and each producer's chunks land in the chunk sink chosen for it when a sync starts (``chunksinks.py``: a receive
+slot, its mapped ring, the delta held copy; source reads around each). The consumer's protocol:
 
 1. ``init``: ``Hello`` (session credential; the lease starts and a heartbeat keeps it), record the
    plan, allocate the receive slots, ``RegisterPlan`` (routes). A failure to start is reported
@@ -38,12 +40,15 @@ import torch
 
 from ..protocol import messages as m
 from .applier import Applier
+from .chunksinks import choose_sink
+from .pullcontext import PullContext, producer_lost
+from .recvslots import SlotPool
 from ...security.chunkmac import chunk_key
 from ..protocol.control import ControlClient
 from ..protocol.heartbeat import Heartbeat
 from ..lanes import Lane, hot_path
 from ...delta.receiver import HeldChunks
-from .puller import Puller, PullRound, SerialPuller, producer_lost
+from .puller import Puller, PullRound, SerialPuller
 from ..source_reads.source_open import SourceOpener
 from ..protocol.wire import DEFAULT_MAX_FRAME, parse_address
 from ..coordinator.membership import Membership
@@ -168,6 +173,12 @@ class Consumer:
                                                              plan=self.plan.to_json(), node=self.node),
                                               timeout_s=self.init_timeout_s + 5), m.Routes, peer)
             self.routes = routes.routes
+            self.pulls = PullContext(id=self.id, transport=self.transport, timeout_s=self.timeout_s,
+                                     lease_s=self.lease_s, chunk_key=self.chunk_key,
+                                     verify_checksums=self.verify_checksums, mac_required=self._mac_required,
+                                     lane=self.lane, plan=self.plan, layouts=self.layouts, clients=self.clients,
+                                     rclients=self.rclients, peers=self.peers, peer_view=self.heartbeat.view)
+            """What this session's pullers, chunk sinks and applier see of it."""
         except BaseException as e:  # tell the coordinator now: init must not wait for this consumer
             try:
                 why = m.clip(f"{type(e).__name__}: {e}")
@@ -179,6 +190,11 @@ class Consumer:
         self.stats = {"consumer": self.id, "init_s": time.perf_counter() - t0, "plan_bytes": self.plan.nbytes,
                       "producers": sorted({p for per in self.routes.values() for p in per})}
         return self.plan
+
+    def _mac_required(self) -> bool:
+        """Chunks must carry a keyed tag: ``require_mac``, or the coordinator's connection is MACed (its group runs
+        with mac)."""
+        return self.require_mac or self.coord.macs
 
     def _hello(self, peer: str) -> m.Welcome:
         """``Hello``; while a predecessor under this id (a killed engine) still holds a live lease, ask again until
@@ -311,15 +327,22 @@ class Consumer:
             session = self.session
         view = self._begin(version, session)
         self._connect(view.producers)
-        direct = self._direct() if self.held is None else {}
-        if self.held is None and not self.slots and any(p not in direct for per in self.routes.values() for p in per):
+        routes = self.routes
+        producers = sorted({p for per in routes.values() for p in per})
+        direct = self._direct(producers) if self.held is None else {}
+        if self.held is None and not self.slots and any(p not in direct for p in producers):
             n, size = self._slot_shape
             self.slots = [torch.empty(size, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
-        rnd = PullRound(self, version, session, direct)
-        applier = self._applier = Applier(self, rnd)
+        ctx = self.pulls
+        slots = SlotPool(self.slots, [g.name for g in self.plan.groups], timeout_s=self.timeout_s) \
+            if self.slots else None
+        sinks = {p: choose_sink(ctx, p, version, ring=direct.get(p), slots=slots, held=self.held, opener=self.sources)
+                 for p in producers}  # each producer's read path, chosen once for this sync
+        rnd = PullRound(ctx, version, session, routes, sinks, slots)
+        applier = self._applier = Applier(ctx, rnd, self.apply)
         applier.start()
-        pullers: list[Puller | SerialPuller] = [Puller(self, rnd, p) for p in rnd.serving] \
-            if self.parallel_producers else [SerialPuller(self, rnd)]
+        pullers: list[Puller | SerialPuller] = [Puller(ctx, rnd, p) for p in rnd.serving] \
+            if self.parallel_producers else [SerialPuller(ctx, rnd)]
         try:
             for t in pullers:
                 t.start()
@@ -347,14 +370,14 @@ class Consumer:
                           **(self.held.stats() if self.held is not None else {}))
         return dict(self.stats)
 
-    def _direct(self) -> dict[int, Any]:
+    def _direct(self, producers: list[int]) -> dict[int, Any]:
         """Producer -> its ring mapped into this process, for those read directly (``direct_reads``): the transport
         offers a view and it lies on this consumer's device (a copy across devices would run per tensor)."""
         view = getattr(self.transport, "view", None)
         if self.direct_reads is False or view is None or (self.direct_reads is None and not self.lane.cuda):
             return {}
         out = {}
-        for p in sorted({p for per in self.routes.values() for p in per}):
+        for p in producers:
             v = view(p)
             if v is not None and v.device == self.lane.device:
                 out[p] = v

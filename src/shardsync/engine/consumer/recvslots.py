@@ -6,17 +6,23 @@ rule 9; ``max_in_use`` records the most slots used at once::
     slots = RecvSlots(4, ["pre", "model.layers.0", "post"])
     i = slots.acquire("model.layers.0", timeout_s=10, what="group 'model.layers.0'")
     slots.release("model.layers.0")
+
+:class:`SlotPool` is one sync's view of them: the consumer's slot buffers under those rules, given up on once the
+sync fails (``stop``)::
+
+    pool = SlotPool(buffers, order, timeout_s=120)
+    buf = pool.acquire("model.layers.0", what="group 'model.layers.0' of version 3")
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from ...errors import TransportError
 
-__all__ = ["RecvSlots"]
+__all__ = ["RecvSlots", "SlotPool"]
 
 
 class RecvSlots:
@@ -65,3 +71,34 @@ class RecvSlots:
     def wake(self) -> None:
         with self.cv:
             self.cv.notify_all()
+
+
+class SlotPool:
+    """One sync's receive slots: ``buffers`` (the consumer's, allocated once) handed out per group by
+    :class:`RecvSlots`; waits give up once :meth:`stop` is called (the sync is failing)."""
+
+    def __init__(self, buffers: Sequence[Any], order: Sequence[str], *, timeout_s: float):
+        self.buffers, self.timeout_s = list(buffers), timeout_s
+        self.slots = RecvSlots(len(self.buffers), order)
+        self.stopped = threading.Event()
+
+    @property
+    def max_in_use(self) -> int:
+        return self.slots.max_in_use
+
+    def acquire(self, group: str, *, what: str) -> Any:
+        """The buffer of ``group``'s slot (waits under the slot rules, up to ``timeout_s``)."""
+        return self.buffers[self.slots.acquire(group, timeout_s=self.timeout_s, abort=self.stopped, what=what)]
+
+    def view(self, group: str) -> Any:
+        """The buffer ``group`` holds, or None."""
+        i = self.slots.slot.get(group)
+        return None if i is None else self.buffers[i]
+
+    def free(self, group: str) -> None:
+        if group in self.slots.slot:
+            self.slots.release(group)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.slots.wake()

@@ -1,9 +1,11 @@
 """Trainer side: gather one weight group at a time, replay + pack, serve pulls, free on release.
 
 What is gathered when, how many groups are resident and when a ring slot is freed are ``engine/schedule.py``'s
-rules 1-7; one sync's loop is ``producer_sync.py``. This module holds the configuration, the producer's control
-handler (``WaitReady``, ``Released``, ``Abandon``; rank 0 also hosts the coordinator), init and the sync's
-start and failure:
+rules 1-7; one sync's loop is ``producer_sync.py``. The configuration is ``producer_config.py``; this module holds the
+producer's control handler (``WaitReady``, ``Released``, ``Abandon``, answered by its version table; rank 0 also hosts the
+coordinator), init and the sync's start and failure. A :class:`Producer` owns its :class:`~.versions.VersionTable`
+(the per-version state) and this epoch's :class:`~.units.RingLayout` (units, schedule, ring); each sync is given a
+:class:`~.sync_context.SyncContext` naming what it uses:
 
 1. A sync serves the consumers that are members of its version (fixed by the coordinator when the
    version begins: registered, lease live); a member that abandons the version, says goodbye or lets its
@@ -31,9 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from contextlib import suppress
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,105 +43,26 @@ from ..protocol.control import ControlClient, ControlServer
 from ..coordinator.coordinator import Coordinator
 from ..protocol.heartbeat import Heartbeat
 from ..lanes import Lane, hot_path
-from .producer_sync import ProducerSync, finish_lockstep
+from .lockstep_batches import finish_lockstep
+from .producer_config import ProducerConfig
+from .producer_sync import ProducerSync
 from .snapshot import PendingSync, Snapshot
+from .sync_context import SyncContext
 from ...security.chunkmac import chunk_key
 from ...delta.sender import DeltaSender
 from .same_batches import SameBatches
 from ..source_reads.source_share import SourceShare
-from .units import build_units
-from .versions import ServedVersions, VersionState
-from ..protocol.wire import DEFAULT_MAX_FRAME, parse_address
-from ...errors import ConsumerDropped, SyncError
-from ...plan.pack import DEFAULT_CHUNK_BYTES
+from .units import RingLayout, build_units
+from .versions import VersionState, VersionTable
+from ..protocol.wire import parse_address
+from ...errors import SyncError
 from ...source import WeightSource
 from ...sources.adapt import adapt
 from ...transport import Transport, make_transport
 from ...types import dtype_of, metadata_digest
 
-EARLY_ABANDON_AHEAD = 4
-"""An Abandon may come at most this many versions before this rank begins it (a consumer leaves the version it is
-in, or the next one)."""
-EARLY_ABANDON_MAX = 4096
-"""Abandons held for versions not begun yet, in all."""
 
-
-@dataclass
-class ProducerConfig:
-    rank: int
-    n_producers: int
-    n_consumers: int
-    token: str = field(repr=False)
-    """The group's shared secret (never in ``repr``, logs or errors)."""
-    host: str = "127.0.0.1"
-    """Interface the control server (and the tcp transport) bind to."""
-    advertise_host: str | None = None
-    """Address peers are told to use (required in practice when ``host`` is 0.0.0.0)."""
-    port: int = 0
-    """Control port; rank 0's is the coordinator address consumers are given."""
-    coordinator: list[Any] | str | None = None
-    """Address of rank 0's control server (ranks > 0): ``"host:port"`` or ``[host, port]``."""
-    transport: str = "tcp"
-    transport_kwargs: dict[str, Any] = field(default_factory=dict)
-    lookahead: int = 1
-    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    timeout_s: float = 120.0
-    """Bound on every wait during a sync for a peer that is alive but slow."""
-    init_timeout_s: float = 600.0
-    """Bound on init waits (peers start engines, record and validate plans: slower than a sync)."""
-    lease_s: float = 10.0
-    """A peer that sends no heartbeat for this long is dead: the bound on detecting a dead consumer/producer."""
-    straggler_s: float | None = None
-    """A member that has not released a group this long after it was announced, nor any other group of this rank in
-    that time, is dropped from that version (rule 2 above; it receives the next one). None: three leases, at least
-    10 s, at most half of ``timeout_s``. It bounds how long after the trainer's ``sync`` an engine starts pulling and
-    one group's pull (and, for direct reads, apply): raise it for engines that are slow to start an update."""
-    min_consumers: int | None = None
-    """Init quorum (default: all ``n_consumers``); with fewer, init proceeds after ``join_grace_s``."""
-    join_grace_s: float = 30.0
-    max_routed_bytes: int | None = None
-    """Rank 0: what all consumers' routed plans together may carry a sync (None: 64 copies of the model). A plan
-    past it is refused at its registration, naming the consumer: no buggy or hostile engine grows the rings (trainer
-    memory, GPU memory with ``device``) without bound. Plans of consumers that left are pruned at the next version."""
-    verify_checksums: bool | None = None
-    """Send an xxh3-64 checksum of every chunk; consumers verify it (silent corruption -> ChecksumError). None: on
-    where the ring is in host memory (xxh3 runs at ~9 GB/s a core here, faster than the tcp link), off for a GPU ring
-    (``device``: each chunk would be copied to the host for it). See :attr:`Producer.checksums`."""
-    mac: bool = False
-    """For networks an attacker can write to: every chunk carries a keyed tag (``chunkmac.py``: BLAKE2b keyed from the
-    token, bound to this rank, the version, group, chunk and length; consumers check it -> ChunkMacError), replacing
-    the xxh3 checksums, and every control frame a MAC (``security/framemac.py``: a key fresh per connection, a
-    sequence number per direction). Every rank of a group must agree (checked at ``Join``). Costs a keyed hash of
-    every byte on both sides (``benchmarks/checksum_cost.py``)."""
-    max_frame_bytes: int = DEFAULT_MAX_FRAME
-    device: str | None = None
-    """Where the ring lives and packing runs (``"cuda:0"``; None: CPU memory). With a GPU the ring is allocated
-    there once (``stats["ring_bytes"]``: subtract it from what the trainer may use), replay + pack run on a side
-    stream after the stream that wrote the weights, and a group is announced once its pack has run; the transport
-    must move GPU memory (``cuda_ipc``, ``nccl``, ``nixl``)."""
-    switch_interval_s: float | None = 0.0002
-    """While a sync runs, the process's GIL switch interval (and the cyclic GC is paused); restored afterwards.
-    None leaves the interpreter alone (see ``engine/lanes.hot_path``)."""
-    node: str = ""
-    """Where this rank runs (a Ray node id, a hostname; "" = unknown): consumers that say they run on the same node
-    read from it first (``plan/route.py`` rule 5)."""
-    gather_budget_bytes: int | None = None
-    """Most full-tensor bytes this rank may hold at once while gathering (None: unbounded). Refused at init when
-    the source's largest gather group (plus what must be carried across groups) does not fit."""
-    delta: bool = False
-    """Delta sync (``delta/sender.py``, ``docs/delta.md``): each chunk is also offered as the words that changed
-    since this rank last served it, beside its dense bytes; consumers with ``delta=True`` holding that version read
-    only the changes. Costs, on the ring's device: a delta area per ring slot (the ring doubles: ``ring_bytes``) and
-    the history of served chunks (``delta_history_bytes``), plus an encode pass per chunk and its xxh3 checksum."""
-    source_reads: bool | None = None
-    """Serve groups where the trainer's tensors lie to consumers that map this rank's memory (``source_share.py``: no
-    pack pass, no ring slot). None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
-    delta_budget_bytes: int | None = None
-    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: twice
-    the chunks. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
-
-
-class Producer(ServedVersions):
+class Producer:
     def __init__(self, source: WeightSource | Any, cfg: ProducerConfig, transport: Transport | None = None):
         self.source, self.cfg = adapt(source), cfg
         self.metas = self.source.metadata()
@@ -158,32 +79,75 @@ class Producer(ServedVersions):
         if self.coordinator is not None:  # its init waits name the connections refused for a wrong token
             self.coordinator.refusals = self.server.refusals
         self.address = self.server.address
-        self.cv = threading.Condition()
-        self.versions: dict[int, VersionState] = {}
-        self.abandoned: dict[int, dict[str, tuple[str, str]]] = defaultdict(dict)
-        """version -> consumer -> (session, reason): Abandons that came before this rank began the version; applied
-        at its begin only where the session is the member's (checked then: this rank has no table before)."""
+        self.table = VersionTable(cfg, lease_view=self._lease_view, on_stragglers=self._report_stragglers)
+        """The versions this rank serves (``versions.py``): members, packed groups, drops, ``WaitReady`` answers."""
+        self.cv = self.table.cv
         self.epoch = -1
-        self.reads_sources: dict[str, bool] = {}
         self.same_batches = SameBatches()
         """Per gather batch: the last sync's checks, reused while the source yields the same objects."""
-        self.ring: torch.Tensor | None = None
+        self.layout: RingLayout | None = None
+        """This epoch's units, schedule, ring and delta sender (``units.py``; None before init)."""
         self.heartbeat: Heartbeat | None = None
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
         self.lane = Lane(cfg.device)
         wanted = cfg.verify_checksums if cfg.verify_checksums is not None else not (self.lane.cuda or cfg.source_reads)
         self.checksums = wanted and not cfg.mac
-        self.shares = SourceShare.configured(cfg, self.transport, gpu=self.lane.cuda, checksums=self.checksums)
-        """Source reads (``ProducerConfig.source_reads``), when on."""
         """Whether this rank sends an xxh3 checksum with every chunk (``ProducerConfig.verify_checksums``; None: host
         rings; never with ``mac``, whose tags supersede them)."""
+        self.shares = SourceShare.configured(cfg, self.transport, gpu=self.lane.cuda, checksums=self.checksums)
+        """Source reads (``ProducerConfig.source_reads``), when on."""
         self.chunk_key = chunk_key(cfg.token) if cfg.mac else None
         """With ``mac``: the key this rank tags its chunks with (derived from the token; never sent or printed)."""
         self._expect = {x.name: (torch.Size(x.shape), dtype_of(x.dtype)) for x in self.metas}
         if self.lane.cuda and not self.transport.caps.gpu:
             raise SyncError(f"producer {cfg.rank}: transport {self.transport.name!r} cannot move GPU memory (ring on "
                             f"{cfg.device}); use cuda_ipc, nccl or nixl")
+
+    # ------------------------------------------------------------------ the version table's and layout's state
+    @property
+    def versions(self) -> dict[int, VersionState]:
+        return self.table.versions
+
+    @property
+    def abandoned(self) -> dict[int, dict[str, tuple[str, str]]]:
+        return self.table.abandoned
+
+    @property
+    def reads_sources(self) -> dict[str, bool]:
+        return self.table.reads_sources
+
+    def held_bytes(self) -> int:
+        """Ring bytes still referenced by packed chunks some consumer has not released (0 between syncs)."""
+        return self.table.held_bytes()
+
+    def straggler_bound(self) -> float:
+        """Seconds a member may hold an announced group before it is dropped (``ProducerConfig.straggler_s``)."""
+        return self.table.straggler_bound()
+
+    @property
+    def ring(self) -> torch.Tensor | None:
+        return None if self.layout is None else self.layout.ring
+
+    @property
+    def slot_bytes(self) -> int:
+        return 0 if self.layout is None else self.layout.slot_bytes
+
+    @property
+    def units(self) -> dict[str, list[Any]]:
+        return {} if self.layout is None else self.layout.units
+
+    @property
+    def schedule(self) -> Any:
+        return None if self.layout is None else self.layout.schedule
+
+    @property
+    def order(self) -> list[str]:
+        return [] if self.layout is None else self.layout.order
+
+    @property
+    def delta(self) -> DeltaSender | None:
+        return None if self.layout is None else self.layout.delta
 
     def _make_transport(self) -> Transport:
         """The data plane; the tcp and nccl transports bind where the control plane does, advertise the same address
@@ -202,42 +166,36 @@ class Producer(ServedVersions):
             if reply is not None:
                 return reply
         if isinstance(msg, m.WaitReady):
-            return self._on_wait_ready(msg)
-        if isinstance(msg, (m.Released, m.Abandon)):
-            with self.cv:
-                st = self.versions.get(msg.version)
-                if st is None:
-                    if isinstance(msg, m.Released):
-                        raise SyncError(f"producer {self.cfg.rank}: release for version {msg.version}, not begun")
-                    self._early_abandon(msg)
-                    return m.Ack()
-                self._member(st, msg.consumer, msg.session, msg.version)
-                if isinstance(msg, m.Released):
-                    if msg.consumer in st.dropped:  # its slot may hold another group by now: what it read is suspect
-                        raise ConsumerDropped(f"producer {self.cfg.rank}: release of group {msg.group!r} refused: "
-                                              f"consumer {msg.consumer!r} was dropped from version {msg.version}: "
-                                              f"{st.dropped[msg.consumer]}")
-                    st.pending.get(msg.group, set()).discard(msg.consumer)
-                    st.released_at[msg.consumer] = time.monotonic()
-                else:
-                    if msg.lost_producer >= 0 and not st.done:  # a producer died: this version fails for all
-                        st.failed = st.failed or (f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
-                                                  f"{msg.reason}")
-                    self._drop(st, msg.consumer, f"abandoned version {msg.version}: {msg.reason}")
-                self.cv.notify_all()
+            return self.table.wait_ready(msg)
+        if isinstance(msg, m.Released):
+            self.table.release(msg)
+            return m.Ack()
+        if isinstance(msg, m.Abandon):
+            self.table.abandon(msg)
             return m.Ack()
         raise SyncError(f"producer {self.cfg.rank}: unexpected message {type(msg).__name__}")
 
-    def _early_abandon(self, msg: m.Abandon) -> None:
-        """An Abandon for a version this rank has not begun: kept (bounded) until it begins."""
-        lo = max(self.versions) + 1 if self.versions else 0  # the first version this rank has not begun
-        if not lo <= msg.version <= lo + EARLY_ABANDON_AHEAD:
-            raise SyncError(f"producer {self.cfg.rank}: abandon of version {msg.version} by {msg.consumer!r}: only "
-                            f"versions {lo}..{lo + EARLY_ABANDON_AHEAD} can be abandoned before they begin")
-        if sum(map(len, self.abandoned.values())) >= EARLY_ABANDON_MAX and msg.consumer not in \
-                self.abandoned.get(msg.version, {}):
-            raise SyncError(f"producer {self.cfg.rank}: {EARLY_ABANDON_MAX} early abandons held already")
-        self.abandoned[msg.version][msg.consumer] = (msg.session, m.clip(msg.reason))
+    def _lease_view(self) -> dict[str, Any]:
+        """What the coordinator knows of leases (rank 0 hosts it; the others' heartbeats bring its view)."""
+        if self.coordinator is not None:
+            return self.coordinator.lease_view()
+        assert self.heartbeat is not None
+        return self.heartbeat.view()
+
+    def _report_stragglers(self, version: int, late: list[tuple[str, str, str]]) -> None:
+        """Tell the coordinator of the members just dropped as stragglers, in the background (called with ``cv``
+        held) and best effort: without it the other producers still drop the straggler by their own clocks, and the
+        outcome waits for it at most ``timeout_s``."""
+        msgs = [m.Straggler(rank=self.cfg.rank, incarnation=getattr(self, "incarnation", 0), version=version,
+                            consumer=cid, session=session, reason=why) for cid, session, why in late]
+        client, bound = self.client, min(5.0, self.cfg.lease_s + 1)
+
+        def tell() -> None:
+            for msg in msgs:
+                with suppress(Exception):
+                    client.call(msg, timeout_s=bound)
+
+        threading.Thread(target=tell, name=f"shardsync-straggler-p{self.cfg.rank}", daemon=True).start()
 
     # ------------------------------------------------------------------ init
     def init(self) -> None:
@@ -253,7 +211,7 @@ class Producer(ServedVersions):
         self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
         if cfg.rank != 0:
             self.heartbeat = Heartbeat(coord, cfg.token, m.Renew(rank=cfg.rank, incarnation=self.incarnation),
-                                       lease_s=cfg.lease_s, who=f"producer {cfg.rank}", on_change=self._wake,
+                                       lease_s=cfg.lease_s, who=f"producer {cfg.rank}", on_change=self.table.wake,
                                        on_dropped=self._rejoin, require_mac=cfg.mac)
         self._assign(self.client.call(m.GetAssignments(rank=cfg.rank), timeout_s=cfg.init_timeout_s + 5))
         self.client.call(m.ProducerReady(rank=cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
@@ -268,48 +226,47 @@ class Producer(ServedVersions):
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
                          timeout_s=self.cfg.timeout_s)
 
-    def _wake(self) -> None:
-        with self.cv:
-            self.cv.notify_all()
-
     def _assign(self, asg: Any) -> None:
         """Build this rank's units from the coordinator's assignments (at init, and when a rejoiner's new plan
         bumped the epoch); the ring is (re)allocated only if a slot must grow."""
         cfg = self.cfg
-        self.units, self.schedule, slot = build_units(asg, self.metas, self.source, rank=cfg.rank,
-                                                      max_chunk_bytes=cfg.max_chunk_bytes)
-        if cfg.gather_budget_bytes is not None and self.schedule.peak_bytes > cfg.gather_budget_bytes:
-            b = max(range(len(self.schedule.batches)), key=lambda i: self.schedule.batch_bytes[i])
-            raise SyncError(f"producer {cfg.rank}: gathering needs up to {self.schedule.peak_bytes} bytes of full "
-                            f"tensors at once (the largest gather group, starting {self.schedule.batches[b][0]!r}, is "
-                            f"{self.schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
+        units, schedule, slot = build_units(asg, self.metas, self.source, rank=cfg.rank,
+                                            max_chunk_bytes=cfg.max_chunk_bytes)
+        if cfg.gather_budget_bytes is not None and schedule.peak_bytes > cfg.gather_budget_bytes:
+            b = max(range(len(schedule.batches)), key=lambda i: schedule.batch_bytes[i])
+            raise SyncError(f"producer {cfg.rank}: gathering needs up to {schedule.peak_bytes} bytes of full "
+                            f"tensors at once (the largest gather group, starting {schedule.batches[b][0]!r}, is "
+                            f"{schedule.batch_bytes[b]} bytes), above gather_budget_bytes="
                             f"{cfg.gather_budget_bytes}")
-        self.order = self.schedule.order
         self.same_batches.reset()  # a new schedule: its batches are checked in full again
-        self.unit_sources = {g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in self.units.items()}
-        self.by_source: set[str] = set()  # groups served by their source tensors last sync (no ring slot awaited)
-        self.n_slots = cfg.lookahead + 1
-        self.delta = None
+        n_slots = cfg.lookahead + 1
+        delta = None
         if cfg.delta:  # a delta area as large as the dense part beside it in every slot
-            self.delta = DeltaSender(self.units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes)
-            self.dense_slot, slot = slot, 2 * slot
+            delta = DeltaSender(units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes)
+            dense_slot, slot = slot, 2 * slot
         else:
-            self.dense_slot = slot
-        if self.ring is None or slot > self.slot_bytes:
-            if self.ring is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor
+            dense_slot = slot
+        old = self.layout
+        if old is None or slot > old.slot_bytes:
+            if old is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor
                 if not self._own_transport:
                     raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
-                                    f"{self.slot_bytes}) and the transport was passed in: it cannot be re-registered")
+                                    f"{old.slot_bytes}) and the transport was passed in: it cannot be re-registered")
                 self.transport.close()
                 self.transport = self._make_transport()
-            self.slot_bytes = slot
-            self.ring = torch.zeros(self.n_slots * slot, dtype=torch.uint8, device=self.lane.device)
-            self.desc = self.transport.register(self.ring)
+            slot_bytes = slot
+            ring = torch.zeros(n_slots * slot, dtype=torch.uint8, device=self.lane.device)
+            self.desc = self.transport.register(ring)
+        else:
+            ring, slot_bytes = old.ring, old.slot_bytes
+        self.layout = RingLayout(
+            units=units, schedule=schedule, ring=ring, n_slots=n_slots, slot_bytes=slot_bytes, dense_slot=dense_slot,
+            delta=delta, unit_sources={g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in units.items()})
         self.epoch = asg.epoch
-        self.stats = {"rank": cfg.rank, "groups": len(self.order), "slot_bytes": self.slot_bytes,
-                      "ring_bytes": self.ring.numel(), "gather_batches": len(self.schedule.batches),
-                      "planned_peak_gathered_bytes": self.schedule.peak_bytes,
-                      **(self.delta.stats() if self.delta is not None else {})}
+        self.stats = {"rank": cfg.rank, "groups": len(schedule.order), "slot_bytes": slot_bytes,
+                      "ring_bytes": ring.numel(), "gather_batches": len(schedule.batches),
+                      "planned_peak_gathered_bytes": schedule.peak_bytes,
+                      **(delta.stats() if delta is not None else {})}
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":
@@ -330,28 +287,39 @@ class Producer(ServedVersions):
                 self._fail(version, None, e)
                 finish_lockstep(iter(self.source.iter_groups()))
                 raise
+            ctx = self._sync_context()
             if block:
                 with hot_path(self.cfg.switch_interval_s):
-                    return ProducerSync(self, version, st, self.source).run()
-            snap = Snapshot(self, version)
+                    return ProducerSync(ctx, version, st, self.source).run()
+            assert ctx.layout is not None
+            snap = Snapshot(self.source, ctx.layout.schedule, self.metas, version=version, rank=self.cfg.rank,
+                            budget_bytes=self.cfg.gather_budget_bytes)
             pending = PendingSync(version)
 
             def serve() -> None:
                 try:
                     with hot_path(self.cfg.switch_interval_s):
-                        pending._set(ProducerSync(self, version, st, snap, snapshot_bytes=snap.nbytes).run())
+                        pending.finish(ProducerSync(ctx, version, st, snap, snapshot_bytes=snap.nbytes).run())
                 except BaseException as e:
                     self._fail(version, st, e)
-                    pending._set(error=e)
+                    pending.finish(error=e)
 
-            pending._thread = threading.Thread(target=serve, name=f"shardsync-serve-v{version}", daemon=True)
             self._pending = pending
-            pending._thread.start()
+            pending.start(serve)
             return pending
         except BaseException as e:
             if not getattr(e, "_shardsync_reported", False):
                 self._fail(version, st, e)
             raise
+
+    def _sync_context(self) -> SyncContext:
+        """What one sync is given (this epoch's layout: after ``_begin``)."""
+        assert self.layout is not None
+        return SyncContext(cfg=self.cfg, table=self.table, layout=self.layout, lane=self.lane,
+                           same_batches=self.same_batches, shares=self.shares, checksums=self.checksums,
+                           chunk_key=self.chunk_key, expect=self._expect, metas=self.metas, stats=self.stats,
+                           source_stats=lambda: dict(getattr(self.source, "stats", None) or {}),
+                           fail=self._fail, drain=self._drain, poll_outcome=self._poll_outcome)
 
     def wait_pending(self, timeout_s: float | None = None) -> dict[str, Any] | None:
         """Wait for a non-blocking sync still serving (re-raising its failure); None if there is none."""
@@ -367,29 +335,22 @@ class Producer(ServedVersions):
         if view.epoch != self.epoch:
             self._assign(self.client.call(m.GetAssignments(rank=self.cfg.rank), timeout_s=self.cfg.timeout_s))
         digests = {u.digest for us in self.units.values() for u in us}
-        with self.cv:
-            st = self.versions[version] = VersionState(
-                {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
-                incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
-            for c, (session, why) in self.abandoned.pop(version, {}).items():
-                if st.members.get(c, ("", ""))[1] == session:  # a forged one (wrong session) is ignored
-                    self._drop(st, c, f"abandoned version {version}: {why}")
-            for old in [v for v in self.versions if v < version - 4]:
-                del self.versions[old]
-            for old in [v for v in self.abandoned if v <= version]:  # bounded: only versions yet to begin
-                del self.abandoned[old]
+        st = self.table.begin(version, {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
+                              incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
                                          desc=self.desc), timeout_s=quick)
         return st
 
+    def _poll_outcome(self, version: int) -> m.Outcome:
+        """One look at the version's outcome: rank 0 asks its coordinator, the others ask it over the wire."""
+        if self.coordinator is not None:
+            return self.coordinator.outcome(version, min(1.0, self.cfg.lease_s / 4))
+        return self.client.call(m.AwaitVersion(rank=self.cfg.rank, incarnation=self.incarnation, version=version),
+                                timeout_s=self.cfg.lease_s + 1)
+
     def _fail(self, version: int, st: VersionState | None, e: BaseException) -> None:
         why = f"{type(e).__name__}: {e}"
-        with self.cv:
-            if st is not None:  # nothing stays referenced for a failed version
-                st.failed = why
-                st.pending.clear()
-                st.ready.clear()
-            self.cv.notify_all()
+        self.table.fail(st, why)
         if getattr(e, "_shardsync_reported", False):
             return
         with suppress(Exception):  # within a lease: the coordinator may be what failed (stopped: it would not answer)

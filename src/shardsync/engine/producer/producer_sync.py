@@ -1,11 +1,13 @@
 """One sync of one producer: gather in lockstep, pack into the ring, announce, reclaim slots on release.
 
 It follows ``engine/schedule.py``'s rules 1-7 (the lockstep schedule it replays is ``schedule.lockstep``),
-then waits for the version's outcome (``producer.py``). Its counters are plain attributes and end up in the
+then waits for the version's outcome (``producer.py``). It is given its collaborators explicitly
+(``sync_context.SyncContext``: the config, the version table, the epoch's ring layout, the lane, the batch cache,
+source reads, the fail / drain / outcome callbacks). Its counters are plain attributes and end up in the
 producer's ``stats`` (``max_resident``, ``peak_gathered_bytes``, ``slot_wait_s``/``gather_s``/``pack_s``: host
 time of the gather thread, by stage)::
 
-    stats = ProducerSync(producer, version, state, producer.source).run()
+    stats = ProducerSync(ctx, version, state, producer.source).run()
 """
 
 from __future__ import annotations
@@ -13,60 +15,30 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from itertools import repeat
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ..protocol import messages as m
+from .lockstep_batches import finish_lockstep, next_batch, no_more_batches
 from .publish import Publisher
+from .sync_context import SyncContext
 from .versions import VersionState
 from ...security.chunkmac import chunk_tag
 from ..protocol.wire import chunk_checksum
 from ...errors import MetadataMismatch, ProducerLost, TransportError
 from ...source import check_tensor
 
-if TYPE_CHECKING:
-    from .producer import Producer
-
-__all__ = ["ProducerSync", "next_batch", "no_more_batches"]
-
-
-def next_batch(it: Iterator[Any], expect: list[str], b: int, *, rank: int,
-               n_batches: int) -> tuple[list[str], list[Any]]:
-    """Batch ``b`` of the source (its names must be ``expect``): iteration must follow ``groups()``."""
-    try:
-        names, tensors = next(it)
-    except StopIteration:
-        raise MetadataMismatch(f"producer {rank}: the source stopped after {b} gather groups; its "
-                               f"groups() lists {n_batches}") from None
-    if list(names) != expect:
-        raise MetadataMismatch(f"producer {rank}: gather group {b} of the source is {list(names)[:3]}..., "
-                               f"groups() said {expect[:3]}... (iteration must follow groups())")
-    return list(names), list(tensors)
-
-
-def no_more_batches(it: Iterator[Any], *, rank: int, n_batches: int) -> None:
-    if next(it, None) is not None:
-        raise MetadataMismatch(f"producer {rank}: the source yielded more gather groups than its "
-                               f"groups() lists ({n_batches})")
-
-
-def finish_lockstep(it: Iterator[Any]) -> None:
-    """Run what is left of a source's batch iterator (every remaining collective), ignoring what fails: the rank is
-    failing anyway; this only keeps its peers from waiting in a gather for it."""
-    try:
-        for _ in it:
-            pass
-    except Exception:  # noqa: BLE001 - the original failure is the one raised
-        pass
+__all__ = ["ProducerSync"]
 
 
 class ProducerSync:
     """Serve ``version`` from ``source`` (the producer's own, or a snapshot of it) to the members of ``st``."""
 
-    def __init__(self, producer: Producer, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0):
-        self.pr, self.version, self.st, self.source, self.snapshot_bytes = producer, version, st, source, snapshot_bytes
-        self.free = list(range(producer.n_slots))
+    def __init__(self, ctx: SyncContext, version: int, st: VersionState, source: Any, *, snapshot_bytes: int = 0):
+        self.ctx, self.version, self.st, self.source, self.snapshot_bytes = ctx, version, st, source, snapshot_bytes
+        self.table, self.layout, self.cfg = ctx.table, ctx.layout, ctx.cfg
+        self.free = list(range(ctx.layout.n_slots))
         """Ring slots not holding a packed, unreleased group."""
         self.slot_of: dict[str, int] = {}
         """Group -> the ring slot it is packed in (until every member released it)."""
@@ -91,12 +63,12 @@ class ProducerSync:
         self._it: Iterator[Any] | None = None
         self.lockstep_done = False
         """Every batch of the source iterated (schedule rule 1: also on failure, see :meth:`finish_lockstep`)."""
-        self.pub = Publisher(producer.lane, timeout_s=producer.cfg.timeout_s, who=f"producer {producer.cfg.rank}")
+        self.pub = Publisher(ctx.lane, timeout_s=ctx.cfg.timeout_s, who=f"producer {ctx.cfg.rank}")
 
     def run(self) -> dict[str, Any]:
         """Serve the version; with delta sync its history commits when the version completed and rolls back when
         it failed (``sender.py``), after the publisher stopped encoding."""
-        delta = self.pr.delta
+        delta = self.layout.delta
         if delta is None:
             return self._run()
         delta.begin(self.version)
@@ -106,51 +78,48 @@ class ProducerSync:
             delta.rollback()
             raise
         delta.commit(self.version)
-        self.pr.stats.update(delta.stats())
-        return dict(self.pr.stats)
+        self.ctx.stats.update(delta.stats())
+        return dict(self.ctx.stats)
 
     def _run(self) -> dict[str, Any]:
-        pr, st, version = self.pr, self.st, self.version
+        ctx, table, st, version, order = self.ctx, self.table, self.st, self.version, self.layout.order
         t0 = time.perf_counter()
         try:
             self._gather_and_pack()
         except BaseException as e:  # schedule rule 1: the version fails for all first, then the gathers still run
-            pr._fail(version, st, e)
+            ctx.fail(version, st, e)
             self.finish_lockstep()
             raise
         finally:
             self.pub.close()  # also when the sync fails: no publisher thread outlives it
-        pr._wait(lambda: all(not st.pending.get(g) for g in pr.order),
-                 lambda: f"every consumer to release version {version} (missing: "
-                         f"{sorted({c for g in pr.order for c in st.pending.get(g, ())})})", version, st)
-        pr._drain()
-        with pr.cv:
-            st.done = True
-            st.ready.clear()
+        table.wait(lambda: all(not st.pending.get(g) for g in order),
+                   lambda: f"every consumer to release version {version} (missing: "
+                           f"{sorted({c for g in order for c in st.pending.get(g, ())})})", version, st)
+        ctx.drain()
+        table.finish(st)
         outcome = self.outcome()
-        pr._drain()  # the coordinator's replies to ``Completed`` too (rank 0)
-        pr.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=self.sent,
-                        max_resident=self.max_resident, lookahead=pr.cfg.lookahead, members=sorted(st.members),
-                        gathered_bytes=self.gathered, peak_gathered_bytes=self.peak,
-                        snapshot_bytes=self.snapshot_bytes,
-                        source_stats=dict(getattr(pr.source, "stats", None) or {}),
-                        completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
-                        dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
-                        pack_s=self.pack_s, batches_reused=self.batches_reused, source_groups=len(self.by_source))
-        return dict(pr.stats)
+        ctx.drain()  # the coordinator's replies to ``Completed`` too (rank 0)
+        ctx.stats.update(version=version, seconds=time.perf_counter() - t0, bytes_sent=self.sent,
+                         max_resident=self.max_resident, lookahead=self.cfg.lookahead, members=sorted(st.members),
+                         gathered_bytes=self.gathered, peak_gathered_bytes=self.peak,
+                         snapshot_bytes=self.snapshot_bytes,
+                         source_stats=ctx.source_stats(),
+                         completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
+                         dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
+                         pack_s=self.pack_s, batches_reused=self.batches_reused, source_groups=len(self.by_source))
+        return dict(ctx.stats)
 
     def _gather_and_pack(self) -> None:
-        pr, ls, rank = self.pr, self.pr.schedule, self.pr.cfg.rank
-        assert pr.ring is not None
+        ctx, lay, ls, rank = self.ctx, self.layout, self.layout.schedule, self.cfg.rank
         it = self._it = iter(self.source.iter_groups())
         kept: dict[str, torch.Tensor] = {}
-        same = pr.same_batches
+        same = ctx.same_batches
         hits0 = same.hits
         dropped: list[torch.Tensor] = []  # held until a later pack has run (a queued pack may still read them)
         hits: set[int] = set()
         for b, expect in enumerate(ls.batches):
             t1 = time.perf_counter()
-            if ls.pack_after[b] and ls.pack_after[b][0] not in pr.by_source:
+            if ls.pack_after[b] and ls.pack_after[b][0] not in lay.by_source:
                 self.await_slot(ls.pack_after[b][0])  # rule 4: no gather while the ring is full
             t2 = time.perf_counter()
             names, tensors = next_batch(it, expect, b, rank=rank, n_batches=len(ls.batches))
@@ -168,8 +137,8 @@ class ProducerSync:
             self.slot_wait_s += t2 - t1
             self.gather_s += t3 - t2
             for g in ls.pack_after[b]:
-                blob = None if pr.shares is None or not self.all_map(g) else \
-                    pr.shares.table(g, pr.unit_sources[g], kept, same, ls, hits)
+                blob = None if ctx.shares is None or not self.all_map(g) else \
+                    ctx.shares.table(g, lay.unit_sources[g], kept, same, ls, hits)
                 if blob is not None:  # source reads: announced where the tensors lie, no ring slot
                     self.sent += self.serve_sources(g, kept, blob, dropped)
                     dropped = []
@@ -185,11 +154,11 @@ class ProducerSync:
                 self.pack_s += time.perf_counter() - t4
                 t3 = time.perf_counter()
             gone = list(map(kept.pop, ls.drop_after[b], repeat(None)))  # at C speed
-            if pr.lane.cuda:
+            if ctx.lane.cuda:
                 dropped.extend(gone)
         self.lockstep_done = True
         self.batches_reused = same.hits - hits0
-        pr.by_source = self.by_source
+        lay.by_source = self.by_source
         no_more_batches(it, rank=rank, n_batches=len(ls.batches))
         self.pub.submit(lambda: None, what="the last pack", hold=dropped)
         self.pub.flush()
@@ -198,7 +167,7 @@ class ProducerSync:
         """The full checks of batch ``b`` (each kept tensor present, of the metadata's shape and dtype), its kept
         tensors into ``kept`` (contiguous); remembered for the next sync when every kept one is the source's own
         object. Returns the batch's bytes."""
-        pr, rank, keep = self.pr, self.pr.cfg.rank, self.pr.schedule.keep[b]
+        ctx, rank, keep = self.ctx, self.cfg.rank, self.layout.schedule.keep[b]
         now, idx, knames, own = 0, [], [], True
         for i, (n, t) in enumerate(zip(names, tensors)):
             if t is not None:
@@ -207,15 +176,15 @@ class ProducerSync:
                 if t is None:
                     raise MetadataMismatch(f"producer {rank}: the source yielded no tensor for {n!r}, which "
                                            "this rank holds and serves")
-                shape, dt = pr._expect[n]
+                shape, dt = ctx.expect[n]
                 if t.shape != shape or t.dtype != dt:
-                    check_tensor(next(x for x in pr.metas if x.name == n), t, rank=rank)
+                    check_tensor(next(x for x in ctx.metas if x.name == n), t, rank=rank)
                 c = kept[n] = t.contiguous()
                 own = own and c is t
                 idx.append(i)
                 knames.append(n)
         if own:
-            pr.same_batches.record(b, tensors, now, idx, knames)
+            ctx.same_batches.record(b, tensors, now, idx, knames)
         return now
 
     def finish_lockstep(self) -> None:
@@ -242,80 +211,80 @@ class ProducerSync:
             return f"a free ring slot for group {g!r} (held by {sorted(self.slot_of)}: consumers {waiting} have not " \
                    "released them)"
 
-        self.pr._wait(self.reclaim, what, self.version, st)
+        self.table.wait(self.reclaim, what, self.version, st)
 
     def all_map(self, g: str) -> bool:
         """Every live member pulling group ``g`` maps this producer's memory on its device (``WaitReady.sources``)."""
-        pr, st = self.pr, self.st
-        with pr.cv:
-            users = set().union(*(self.users[u.digest] for u in pr.units[g])) - st.dropped.keys()
-            return bool(users) and all(pr.reads_sources.get(c) for c in users)
+        table, st = self.table, self.st
+        with table.cv:
+            users = set().union(*(self.users[u.digest] for u in self.layout.units[g])) - st.dropped.keys()
+            return bool(users) and all(table.reads_sources.get(c) for c in users)
 
     def serve_sources(self, g: str, full: dict[str, torch.Tensor], blob: bytes, hold: list) -> int:
         """Announce group ``g`` where its source tensors lie (``Ready.sources``), once the stream that wrote them
         has run; they are held until every member released the group. Returns the bytes it will send."""
-        pr, st = self.pr, self.st
-        with pr.cv:
+        ctx, table, st, units = self.ctx, self.table, self.st, self.layout.units[g]
+        with table.cv:
             live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
-            st.pending[g] = set().union(*(self.users[u.digest] for u in pr.units[g])) - st.dropped.keys()
-        self.sources_held[g] = list(map(full.__getitem__, pr.unit_sources[g]))
+            st.pending[g] = set().union(*(self.users[u.digest] for u in units)) - st.dropped.keys()
+        self.sources_held[g] = list(map(full.__getitem__, self.layout.unit_sources[g]))
         self.by_source.add(g)
-        pr.shares.served += 1
-        with pr.lane:  # the lane waits for the stream that wrote the weights; the announcement waits for the lane
+        ctx.shares.served += 1
+        with ctx.lane:  # the lane waits for the stream that wrote the weights; the announcement waits for the lane
             pass
 
         def announce() -> None:
             ready: dict[str, m.Ready] = {}
-            for u in pr.units[g]:
+            for u in units:
                 r = ready.setdefault(u.digest, m.Ready(version=self.version, group=g, chunks=[], sources=blob))
                 r.chunks.append([u.chunk.index, -1, u.chunk.nbytes, -1])
-            pr.announce(st, g, ready)
+            table.announce(st, g, ready)
 
         self.pub.submit(announce, what=f"serving group {g!r} from its source tensors", hold=hold)
-        return sum(u.chunk.nbytes * len(live.get(u.digest, ())) for u in pr.units[g])
+        return sum(u.chunk.nbytes * len(live.get(u.digest, ())) for u in units)
 
     def pack(self, g: str, slot: int, full: dict[str, torch.Tensor], hold: list) -> int:
         """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack
         has run; returns the bytes it will send. The slot counts as held from now on."""
-        pr, st = self.pr, self.st
-        assert pr.ring is not None
-        base, sent = slot * pr.slot_bytes, 0
-        with pr.cv:
+        ctx, table, st, lay = self.ctx, self.table, self.st, self.layout
+        ring, delta = lay.ring, lay.delta
+        base, sent = slot * lay.slot_bytes, 0
+        with table.cv:
             live = {d: cs - st.dropped.keys() for d, cs in self.users.items()}
-        units = pr.units[g]
-        gen = pr.same_batches.generation  # unchanged since the packers' views were checked: no check per tensor
-        with pr.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
+        units = lay.units[g]
+        gen = ctx.same_batches.generation  # unchanged since the packers' views were checked: no check per tensor
+        with ctx.lane:  # on a GPU: a side stream that first waits for the one that wrote the weights
             for u in units:
                 c = u.chunk
-                if pr.delta is not None:  # alignment gaps hold a previous group's bytes: they would read as changes
-                    pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes].zero_()
-                u.packer.pack(full, pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start,
+                if delta is not None:  # alignment gaps hold a previous group's bytes: they would read as changes
+                    ring[base + u.slot_offset: base + u.slot_offset + c.nbytes].zero_()
+                u.packer.pack(full, ring[base + u.slot_offset: base + u.slot_offset + c.nbytes], c, base=c.start,
                               gen=gen)
         for u in units:
             sent += u.chunk.nbytes * len(live.get(u.digest, ()))
-        with pr.cv:
+        with table.cv:
             st.pending[g] = set().union(*(self.users[u.digest] for u in units)) - st.dropped.keys()
 
         def announce() -> None:  # each plan digest's Ready: chunks, with their checksums or keyed tags
             ready: dict[str, m.Ready] = {}
             for u in units:
                 c = u.chunk
-                region = pr.ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
+                region = ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
                 if u.digest not in ready:
                     ready[u.digest] = m.Ready(version=self.version, group=g, chunks=[])
                 r = ready[u.digest]
-                csum = chunk_checksum(region) if pr.checksums else -1
+                csum = chunk_checksum(region) if ctx.checksums else -1
                 r.chunks.append([c.index, base + u.slot_offset, c.nbytes, csum])
-                if pr.delta is not None:
-                    at = base + pr.dense_slot + u.slot_offset
-                    entry = pr.delta.offer(u, g, region, pr.ring[at: at + c.nbytes], at,
-                                           known_checksum=csum if csum >= 0 else None)
+                if delta is not None:
+                    at = base + lay.dense_slot + u.slot_offset
+                    entry = delta.offer(u, g, region, ring[at: at + c.nbytes], at,
+                                        known_checksum=csum if csum >= 0 else None)
                     if entry is not None:
                         r.deltas.append(entry)
-                if pr.chunk_key is not None:
-                    r.tags.append(chunk_tag(pr.chunk_key, producer=pr.cfg.rank, version=self.version, group=g,
+                if ctx.chunk_key is not None:
+                    r.tags.append(chunk_tag(ctx.chunk_key, producer=self.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))
-            pr.announce(st, g, ready)
+            table.announce(st, g, ready)
 
         self.pub.submit(announce, what=f"packing group {g!r}", hold=hold)
         return sent
@@ -323,14 +292,10 @@ class ProducerSync:
     def outcome(self) -> m.Outcome:
         """A sync returns the VERSION's outcome, not only this rank's part: every member completed (all groups, from
         every producer) or was dropped — or the version failed, which is raised here too (``producer.py`` rule 4)."""
-        pr, st, version, cfg = self.pr, self.st, self.version, self.pr.cfg
+        st, version, cfg = self.st, self.version, self.cfg
         deadline = time.monotonic() + cfg.timeout_s
         while True:
-            if pr.coordinator is not None:
-                o = pr.coordinator.outcome(version, min(1.0, cfg.lease_s / 4))
-            else:
-                o = pr.client.call(m.AwaitVersion(rank=cfg.rank, incarnation=pr.incarnation, version=version),
-                                   timeout_s=cfg.lease_s + 1)
+            o = self.ctx.poll_outcome(version)
             if o.failed or st.failed:
                 raise ProducerLost(f"producer {cfg.rank}: version {version} failed: {o.failed or st.failed}")
             if o.done:
@@ -339,5 +304,5 @@ class ProducerSync:
                 missing = sorted(set(st.members) - set(o.completed) - set(o.dropped))
                 raise TransportError(f"producer {cfg.rank}: timed out after {cfg.timeout_s} s waiting for "
                                      f"consumers {missing} to complete version {version} (this rank's part is done)")
-            with pr.cv:
-                pr._prune(version, st)
+            with self.table.cv:
+                self.table.prune(version, st)

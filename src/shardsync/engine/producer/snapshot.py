@@ -14,9 +14,9 @@ tensors routed to this rank, refused when above ``gather_budget_bytes``.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from .producer_sync import next_batch, no_more_batches
+from .lockstep_batches import next_batch, no_more_batches
 from ...errors import SyncError, TransportError
 
 __all__ = ["Snapshot", "PendingSync"]
@@ -25,23 +25,23 @@ __all__ = ["Snapshot", "PendingSync"]
 class Snapshot:
     """The source's batches as this rank will serve them, taken now (a copy of the kept tensors only)."""
 
-    def __init__(self, producer: Any, version: int):
-        ls = producer.schedule
-        cost = self.cost(ls, {m.name: m.nbytes for m in producer.metas})
-        budget = producer.cfg.gather_budget_bytes
-        if budget is not None and cost > budget:
-            raise SyncError(f"producer {producer.cfg.rank}: a non-blocking sync of version {version} must keep "
-                            f"{cost} bytes of full tensors aside, above gather_budget_bytes={budget}; sync with "
+    def __init__(self, source: Any, schedule: Any, metas: list[Any], *, version: int, rank: int,
+                 budget_bytes: int | None):
+        ls = schedule
+        cost = self.cost(ls, {m.name: m.nbytes for m in metas})
+        if budget_bytes is not None and cost > budget_bytes:
+            raise SyncError(f"producer {rank}: a non-blocking sync of version {version} must keep "
+                            f"{cost} bytes of full tensors aside, above gather_budget_bytes={budget_bytes}; sync with "
                             "block=True or raise the budget")
-        it = iter(producer.source.iter_groups())
+        it = iter(source.iter_groups())
         self.batches: list[tuple[list[str], list[Any]]] = []
         self.nbytes = 0
         for b, expect in enumerate(ls.batches):
-            names, tensors = next_batch(it, expect, b, rank=producer.cfg.rank, n_batches=len(ls.batches))
+            names, tensors = next_batch(it, expect, b, rank=rank, n_batches=len(ls.batches))
             kept = [t.detach().clone() if n in ls.keep[b] and t is not None else None for n, t in zip(names, tensors)]
             self.nbytes += sum(t.numel() * t.element_size() for t in kept if t is not None)
             self.batches.append((names, kept))
-        no_more_batches(it, rank=producer.cfg.rank, n_batches=len(ls.batches))
+        no_more_batches(it, rank=rank, n_batches=len(ls.batches))
 
     @staticmethod
     def cost(schedule: Any, nbytes: dict[str, int]) -> int:
@@ -53,7 +53,7 @@ class Snapshot:
 
 
 class PendingSync:
-    """A non-blocking sync being served in the background."""
+    """A non-blocking sync being served in the background (``start`` runs it; it ends with ``finish``)."""
 
     def __init__(self, version: int):
         self.version = version
@@ -62,7 +62,13 @@ class PendingSync:
         self._out: dict[str, Any] | None = None
         self._err: BaseException | None = None
 
-    def _set(self, out: dict[str, Any] | None = None, *, error: BaseException | None = None) -> None:
+    def start(self, serve: Callable[[], None]) -> None:
+        """Run ``serve`` in a background thread; it must end by calling :meth:`finish`."""
+        self._thread = threading.Thread(target=serve, name=f"shardsync-serve-v{self.version}", daemon=True)
+        self._thread.start()
+
+    def finish(self, out: dict[str, Any] | None = None, *, error: BaseException | None = None) -> None:
+        """The sync's outcome (as ``sync`` returns it), or its failure."""
         self._out, self._err = out, error
         self._done.set()
 

@@ -2,7 +2,9 @@
 
 Built from the coordinator's assignments at init, and again when a rejoiner's new plan bumps the epoch.
 Every plan's units of one group share that group's ring slot, at fixed offsets; the slot size is the
-largest group's. Packers are built once here (their views are then kept between syncs)::
+largest group's. Packers are built once here (their views are then kept between syncs). A
+:class:`RingLayout` is what one epoch serves from: its units and schedule, the ring they are packed into and the
+delta sender beside it::
 
     units, schedule, slot_bytes = build_units(assignments, metas, source, rank=0, max_chunk_bytes=64 << 20)
 """
@@ -10,17 +12,20 @@ largest group's. Packers are built once here (their views are then kept between 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..protocol import messages as m
 from ..schedule import Lockstep, lockstep
+from ...delta.sender import DeltaSender
 from ...errors import TransportError
 from ...plan.pack import Chunk, GroupPacker, _align
 from ...plan.route import chunk_layouts, digest_of, holders_from_ownership
 from ...types import ParamMeta, Plan
 
-__all__ = ["Unit", "build_units"]
+__all__ = ["Unit", "RingLayout", "build_units"]
 
 
 @dataclass
@@ -32,6 +37,34 @@ class Unit:
     slot_offset: int  # offset inside a ring slot
     packer: GroupPacker
     sources: frozenset[str]  # checkpoint names the chunk's slices come from
+
+
+@dataclass
+class RingLayout:
+    """What this rank serves from in one assignment epoch (rebuilt when the epoch changes; the ring is kept unless a
+    slot must grow)."""
+
+    units: dict[str, list[Unit]]
+    """Group -> this rank's units of it."""
+    schedule: Lockstep
+    """The lockstep schedule of the source (``engine/schedule.py``)."""
+    unit_sources: dict[str, list[str]]
+    """Group -> the checkpoint names its units read (sorted)."""
+    ring: torch.Tensor
+    """``n_slots`` slots of ``slot_bytes``, registered with the transport."""
+    n_slots: int
+    slot_bytes: int
+    dense_slot: int
+    """Bytes of a slot's dense part (with delta sync the rest of the slot is its delta area)."""
+    delta: DeltaSender | None
+    """Delta sync's sender (``ProducerConfig.delta``), or None."""
+    by_source: set[str] = field(default_factory=set)
+    """Groups served by their source tensors last sync (no ring slot awaited for them); each sync replaces it."""
+
+    @property
+    def order(self) -> list[str]:
+        """Every group routed here, in packing order."""
+        return self.schedule.order
 
 
 def build_units(asg: Any, metas: list[ParamMeta], source: Any, *, rank: int,

@@ -23,13 +23,13 @@ import struct
 from typing import Any
 
 from ...errors import TransportError
+from ...config import DEFAULT_MAX_FRAME
 from ...security.framemac import TAG_BYTES, FrameMac
 from ...security.handshake import MAX_TOKEN_BYTES, Authenticated, client_auth, recv_exact, server_auth
 
 __all__ = ["MAX_TOKEN_BYTES", "DEFAULT_MAX_FRAME", "FrameTooLarge", "handshake_client", "handshake_server",
            "send_frame", "recv_frame", "chunk_checksum", "parse_address"]
 
-DEFAULT_MAX_FRAME = 256 << 20
 """Largest control frame accepted (a plan of a trillion-parameter model is tens of MB)."""
 _LEN = struct.Struct("!I")
 

@@ -10,6 +10,9 @@ producer re-sends the same bytes. Then, by how the consumer reads that producer:
 * through a receive slot, or into a delta consumer's held copy: the chunk is packed here, from the mapped tensors,
   into the slot (the bytes the producer would have packed), then released.
 
+:class:`SourceSink` is that step as the consumer's chunk sink for one producer, wrapped around the sink it reads that
+producer with otherwise (``engine/consumer/chunksinks.py``).
+
 The storages stay mapped while some table still names them (``prune`` after each sync)::
 
     opener = SourceOpener(transport, metas)
@@ -31,9 +34,9 @@ from ...transport.base import wait_event
 from ...types import ParamMeta, dtype_of
 
 if TYPE_CHECKING:
-    from ..consumer.puller import Puller
+    from ..consumer.pullcontext import PullContext
 
-__all__ = ["SourceOpener", "read_sources"]
+__all__ = ["SourceOpener", "SourceSink"]
 
 
 class SourceOpener:
@@ -118,48 +121,68 @@ class SourceOpener:
                 del self._storages[k]
 
 
-def read_sources(pl: Puller, ready: m.Ready) -> int:
-    """Producer ``pl.p``'s chunks of ``ready.group``, served from its source tensors: handed to ``apply`` where they
-    lie (direct), or packed here into the receive slot / held copy. Returns the bytes."""
-    c, rnd, p, group = pl.c, pl.rnd, pl.p, ready.group
-    opener: SourceOpener | None = c.sources
-    if opener is None:
-        raise SyncError(f"consumer {c.id}: producer {p} serves group {group!r} from its source tensors, which "
-                        f"transport {c.transport.name!r} cannot map here (set ProducerConfig.source_reads=False)")
-    chunks = [(ci, chunk) for ci, chunk, *_ in pl.announced(ready)]
-    gp = c.plan.group(group)
-    full = opener.tensors(p, group, ready.sources, lambda: {s.src for _, ch in chunks
-                                                             for s in gp.scatters[ch.first:ch.stop]})
-    got = sum(ch.nbytes for _, ch in chunks)
-    with rnd._lock:
-        rnd.sourced += 1
-    if c.held is None and p in rnd.direct:
-        rnd.read_directly(p, group, [(ch, full) for _, ch in chunks])
+class SourceSink:
+    """The consumer's chunk sink for producer ``p`` (``engine/consumer/chunksinks.py``) with source reads on top: a
+    ``Ready`` that carries a source table is served from the producer's tensors, mapped here by ``opener`` (None: the
+    transport cannot map them, and such a ``Ready`` is refused); every other ``Ready`` goes to ``inner``, the sink
+    the consumer chose for that producer. Where the mapped tensors go is ``inner.place_sources``'s business: handed to
+    ``apply`` where they lie (a direct read), or packed by the ``pack`` it is given into a receive slot or the held
+    copy."""
+
+    def __init__(self, inner: Any, opener: SourceOpener | None, ctx: PullContext, p: int):
+        self.inner, self.opener, self.ctx, self.p = inner, opener, ctx, p
+        self.sourced = 0
+        """Groups served from this producer's tensors in this sync."""
+
+    @property
+    def wants_sources(self) -> bool:
+        """Ask the producer for its tensors (``WaitReady.sources``): they can be mapped here and the inner sink
+        leaves what it reads where it lies."""
+        return self.opener is not None and self.inner.holds_ring
+
+    @property
+    def holds_ring(self) -> bool:
+        return self.inner.holds_ring
+
+    def read(self, ready: m.Ready, check: Any) -> int:
+        """Producer ``p``'s chunks of ``ready.group``: from its source tensors when the ``Ready`` names them, else
+        the inner sink's read. Returns the bytes."""
+        if not ready.sources:
+            return self.inner.read(ready, check)
+        ctx, p, group = self.ctx, self.p, ready.group
+        opener = self.opener
+        if opener is None:
+            raise SyncError(f"consumer {ctx.id}: producer {p} serves group {group!r} from its source tensors, which "
+                            f"transport {ctx.transport.name!r} cannot map here (set ProducerConfig.source_reads=False)")
+        chunks = [(ci, chunk) for ci, chunk, *_ in check.announced(ready)]
+        gp = ctx.plan.group(group)
+        full = opener.tensors(p, group, ready.sources, lambda: {s.src for _, ch in chunks
+                                                                 for s in gp.scatters[ch.first:ch.stop]})
+        got = sum(ch.nbytes for _, ch in chunks)
+        self.sourced += 1
+        self.inner.place_sources(group, chunks, full, lambda dsts: self.pack(group, full, dsts))
         return got
-    pk = opener.packer(group, c.plan, c.layouts[group])
-    if c.held is not None:  # a delta consumer: the chunk's dense bytes into its held copy
-        dsts = [(ch, c.held.view(group, ci)) for ci, ch in chunks]
-        for ci, _ in chunks:
-            c.held.touch(group, ci)
-    else:
-        assert rnd.slots is not None
-        buf = c.slots[rnd.slots.acquire(group, timeout_s=c.timeout_s, abort=rnd.failing,
-                                        what=f"group {group!r} of version {rnd.version}")]
-        dsts = [(ch, buf[ch.start: ch.start + ch.nbytes]) for _, ch in chunks]
-    dev = dsts[0][1].device if dsts else torch.device("cpu")
-    if dev.type != "cuda":
-        for ch, dst in dsts:
-            pk.pack(full.tensors, dst, ch, base=ch.start)
-    else:  # this puller's own stream (the apply runs on the lane meanwhile), waited for with a deadline
-        s = opener.stream(dev)
+
+    def landed(self, group: str) -> list:
+        return self.inner.landed(group)
+
+    def pack(self, group: str, full: Sources, dsts: list) -> None:
+        """Pack ``group``'s chunks from the mapped tensors into ``dsts`` ([(chunk, its destination bytes)]: the bytes
+        the producer would have packed); on a GPU on this thread's own stream, waited for with a deadline."""
+        ctx, opener = self.ctx, self.opener
+        assert opener is not None
+        pk = opener.packer(group, ctx.plan, ctx.layouts[group])
+        dev = dsts[0][1].device if dsts else torch.device("cpu")
+        if dev.type != "cuda":
+            for ch, dst in dsts:
+                pk.pack(full.tensors, dst, ch, base=ch.start)
+            return
+        s = opener.stream(dev)  # the apply runs on the lane meanwhile
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             for ch, dst in dsts:
                 pk.pack(full.tensors, dst, ch, base=ch.start)
             ev = torch.cuda.Event()
             ev.record(s)
-        wait_event(ev, timeout_s=c.timeout_s, what=f"consumer {c.id}: packing group {group!r} from producer {p}'s "
-                                                   "tensors")
-    if c.held is not None:
-        c.held.count(delta_dense_chunks=len(chunks), delta_dense_bytes=got)
-    return got
+        wait_event(ev, timeout_s=ctx.timeout_s, what=f"consumer {ctx.id}: packing group {group!r} from producer "
+                                                     f"{self.p}'s tensors")

@@ -20,10 +20,12 @@ verl's per-update lifecycle, and what each call does here:
 - ``finalize``: drops the update's tensor references (trainer side); connections stay up.
 
 Engine kwargs (``checkpoint_engine.engine_kwargs.shardsync``): ``host`` (address to bind and advertise;
-default: this Ray node's IP, or 127.0.0.1 outside Ray), ``transport`` (``tcp``), ``timeout_s`` (120),
-``init_timeout_s`` (600), ``device`` (receive tensors' device, default CPU), ``lookahead`` (1),
-``transport_kwargs``. ``bucket_size``
-(verl's ``update_weights_bucket_megabytes``) is the largest chunk one pull moves.
+default: this Ray node's IP, or 127.0.0.1 outside Ray), ``device`` (receive tensors' device, default CPU), every
+group setting (``shardsync.GroupSettings``: ``transport``, ``transport_kwargs``, ``timeout_s``, ``init_timeout_s``,
+``lease_s``, ``verify_checksums``, ``mac``, ``delta``, ...: trainer rank 0's are the group's, handed to every
+worker through the topology) and every other ``ProducerConfig`` field for the trainer ranks (``lookahead``,
+``source_reads``, ...). ``bucket_size`` (verl's ``update_weights_bucket_megabytes``) is the largest chunk one pull
+moves.
 """
 
 from __future__ import annotations
@@ -35,13 +37,18 @@ from typing import Any, AsyncGenerator, Generator
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from ...engine.producer.producer import Producer, ProducerConfig
+from ...config import GroupSettings, split_settings
+from ...engine.producer.producer import Producer
+from ...engine.producer.producer_config import ProducerConfig, producer_options
 from ...errors import MetadataMismatch, SyncError
 from .receiver import Receiver
 from .rendezvous import Rendezvous, lookup
 from .stream import StepSource
 
 __all__ = ["ShardsyncCheckpointEngine"]
+
+_RESERVED = ("rank", "n_producers", "n_consumers", "host", "coordinator", "max_chunk_bytes")
+"""Producer fields the engine sets itself (``max_chunk_bytes`` is verl's ``bucket_size``)."""
 
 
 def _default_host() -> str:
@@ -58,15 +65,18 @@ def _default_host() -> str:
 @CheckpointEngineRegistry.register("shardsync")
 class ShardsyncCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int, is_master: bool = False, *, host: str | None = None,
-                 transport: str = "tcp", timeout_s: float = 120.0, init_timeout_s: float = 600.0,
-                 device: str | None = None, lookahead: int = 1,
-                 transport_kwargs: dict[str, Any] | None = None) -> None:
+                 device: str | None = None, **options: Any) -> None:
         if bucket_size <= 0:
             raise ValueError(f"shardsync checkpoint engine: bucket_size must be positive, got {bucket_size}")
         self.bucket_size, self.is_master = int(bucket_size), is_master
-        self.host, self.transport, self.transport_kwargs = host, transport, dict(transport_kwargs or {})
-        self.timeout_s, self.init_timeout_s, self.device, self.lookahead = timeout_s, init_timeout_s, device, lookahead
-        self.token = secrets.token_hex(16) if is_master else ""
+        self.host, self.device = host, device
+        self.settings, own = split_settings(options, where="shardsync checkpoint engine")
+        """This worker's group settings; trainer rank 0's are the group's (``prepare`` hands them out)."""
+        self.producer_options = producer_options(own, where="shardsync checkpoint engine", reserved=_RESERVED)
+        """``ProducerConfig`` fields for the trainer ranks (``lookahead``, ``source_reads``, ...)."""
+        if is_master and not self.settings.token:
+            self.settings.token = secrets.token_hex(16)
+        self.token = self.settings.token if is_master else ""
         self.rendezvous: Rendezvous | None = None
         self.topology: dict[str, Any] | None = None
         self.source: StepSource | None = None
@@ -81,7 +91,8 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
             return {}
         if self.rendezvous is None:
             self.rendezvous = Rendezvous(host=self.host or _default_host(), token=self.token)
-        return {"shardsync_rendezvous": list(self.rendezvous.address), "shardsync_token": self.token}
+        return {"shardsync_rendezvous": list(self.rendezvous.address), "shardsync_token": self.token,
+                "shardsync_settings": {**self.settings.to_dict(), "token": ""}}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -91,7 +102,8 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
             raise SyncError(f"shardsync checkpoint engine: expected exactly one trainer rank with is_master=True among "
                             f"{actor_wg_world_size} trainer ranks, found {len(masters)}")
         common = {"rendezvous": masters[0]["shardsync_rendezvous"], "token": masters[0]["shardsync_token"],
-                  "n_trainers": actor_wg_world_size, "n_rollout": rollout_world_size}
+                  "settings": masters[0]["shardsync_settings"], "n_trainers": actor_wg_world_size,
+                  "n_rollout": rollout_world_size}
 
         def side(role: str, n: int) -> dict[str, list[Any]]:
             kw: dict[str, list[Any]] = {k: [v] * n for k, v in common.items()}
@@ -101,9 +113,9 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
         return side("trainer", actor_wg_world_size), side("rollout", rollout_world_size)
 
     def init_process_group(self, *, role: str, rank: int, rendezvous: list[Any], token: str, n_trainers: int,
-                           n_rollout: int) -> None:
+                           n_rollout: int, settings: dict[str, Any] | None = None) -> None:
         new = dict(role=role, rank=rank, rendezvous=list(rendezvous), token=token, n_trainers=n_trainers,
-                   n_rollout=n_rollout)
+                   n_rollout=n_rollout, settings=dict(settings or {}))
         if self.topology is not None and self.topology != new:
             self._stop()  # the group changed (verl rebuilt it with other members): start over, versions go on
         self.topology = new
@@ -138,7 +150,7 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
             self.rendezvous.publish(coordinator=self.producer.address, version=version)
         else:
             info = lookup(topo["rendezvous"], topo["token"], after=self.version, who=f"trainer rank {rank}",
-                          timeout_s=self.init_timeout_s if first else self.timeout_s)
+                          timeout_s=self.settings.init_timeout_s if first else self.settings.timeout_s)
             version = int(info["version"])
             if first:
                 self.producer = self._make_producer(topo, coordinator=info["coordinator"])
@@ -151,27 +163,34 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
 
     def _make_producer(self, topo: dict[str, Any], coordinator: Any) -> Producer:
         assert self.source is not None
-        cfg = ProducerConfig(rank=topo["rank"], n_producers=topo["n_trainers"], n_consumers=topo["n_rollout"],
-                             token=topo["token"], host=self.host or _default_host(), coordinator=coordinator,
-                             transport=self.transport, transport_kwargs=dict(self.transport_kwargs),
-                             lookahead=self.lookahead, max_chunk_bytes=self.bucket_size, timeout_s=self.timeout_s,
-                             init_timeout_s=self.init_timeout_s)
-        return Producer(self.source, cfg)
+        return Producer(self.source, self.producer_config(topo, coordinator))
+
+    def producer_config(self, topo: dict[str, Any], coordinator: Any) -> ProducerConfig:
+        """A trainer rank's producer config: the group's settings (rank 0's, from the topology) and this rank's."""
+        return ProducerConfig(**self.group_settings(topo).fields(), **self.producer_options, rank=topo["rank"],
+                              n_producers=topo["n_trainers"], n_consumers=topo["n_rollout"],
+                              host=self.host or _default_host(), coordinator=coordinator,
+                              max_chunk_bytes=self.bucket_size)
+
+    @staticmethod
+    def group_settings(topo: dict[str, Any]) -> GroupSettings:
+        """The group's settings as trainer rank 0 runs them (its token: the topology's)."""
+        return GroupSettings.from_dict({**topo["settings"], "token": topo["token"]}, where="verl topology")
 
     # ---------------------------------------------------------------- rollout side
     async def receive_weights(self, global_steps: int | None = None
                               ) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         topo = self._role("rollout")
         first = self.receiver is None
-        wait = self.init_timeout_s if first else self.timeout_s
+        settings = self.group_settings(topo)
+        wait = settings.init_timeout_s if first else settings.timeout_s
         who = f"rollout worker {topo['rank']}"
         info = await asyncio.to_thread(lookup, topo["rendezvous"], topo["token"], after=self.version,
                                        timeout_s=wait, who=who)
         version = int(info["version"])
         if first:
-            self.receiver = Receiver(f"rollout{topo['rank']}", info["coordinator"], token=topo["token"],
-                                     timeout_s=self.timeout_s, init_timeout_s=self.init_timeout_s, device=self.device,
-                                     transport=self.transport, transport_kwargs=dict(self.transport_kwargs))
+            self.receiver = Receiver(f"rollout{topo['rank']}", info["coordinator"], settings=settings,
+                                     device=self.device)
         rx = self.receiver
         assert rx is not None
         rx.start(version)

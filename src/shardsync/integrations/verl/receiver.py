@@ -11,7 +11,7 @@ Memory: the receive tensors are one full copy of the model, allocated once (at t
 ``device`` and reused every update; a yielded tensor is valid until the next update overwrites it (verl's
 server adapters copy what they are given).
 
-    rx = Receiver("rollout0", coordinator, token=token, timeout_s=60)
+    rx = Receiver("rollout0", coordinator, settings=GroupSettings(token=token, timeout_s=60))
     rx.start(version=1)                   # consumer init (first time) + sync in a background thread
     for names in rx.groups():             # group by group, as they land
         ...
@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from ...config import GroupSettings
 from ...engine.consumer.consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
@@ -37,18 +38,16 @@ _DONE = object()
 
 
 class Receiver:
-    def __init__(self, consumer_id: str, coordinator: list[Any], *, token: str, timeout_s: float,
-                 init_timeout_s: float, device: str | None = None, transport: str = "tcp",
-                 transport_kwargs: dict[str, Any] | None = None, recv_slots: int = 4):
-        self.id, self.device, self.timeout_s = consumer_id, device, timeout_s
+    def __init__(self, consumer_id: str, coordinator: list[Any], *, settings: GroupSettings,
+                 device: str | None = None, recv_slots: int = 4):
+        self.id, self.device, self.timeout_s = consumer_id, device, settings.timeout_s
         self.tensors: dict[str, torch.Tensor] = {}
         self._unpackers: dict[str, GroupUnpacker] = {}
         self._q: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self.stats: dict[str, Any] = {}
-        self.consumer = Consumer(consumer_id, coordinator, token=token, record=self._record, apply=self._apply,
-                                 transport=transport, transport_kwargs=transport_kwargs, timeout_s=timeout_s,
-                                 init_timeout_s=init_timeout_s, recv_slots=recv_slots, device=device)
+        self.consumer = Consumer(consumer_id, coordinator, record=self._record, apply=self._apply, settings=settings,
+                                 recv_slots=recv_slots, device=device)
         self._inited = False
 
     # ---------------------------------------------------------------- the consumer's two callbacks

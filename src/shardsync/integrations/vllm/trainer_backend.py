@@ -33,8 +33,10 @@ from typing import Any, ClassVar
 from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from ...engine.protocol import messages as m
-from ...engine.producer.producer import Producer, ProducerConfig
-from ...engine.producer.producer_sync import finish_lockstep
+from ...engine.producer.producer import Producer
+from ...engine.producer.producer_config import ProducerConfig, producer_options
+from ...engine.producer.lockstep_batches import finish_lockstep
+from ...config import GroupSettings, settings_of
 from ...errors import SyncError
 from ...sources.adapt import adapt
 from . import compat
@@ -42,11 +44,14 @@ from .clients import as_client, count_workers
 from .ownership import EngineOwnedError, StaleSessionError, engine_versions, resume_version, retype
 from .plugin import BACKEND, register_trainer
 
-__all__ = ["ShardsyncTrainerInitInfo", "ShardsyncTrainerEngine"]
+__all__ = ["ShardsyncTrainerInitInfo", "ShardsyncTrainerEngine", "producer_config", "worker_init_info"]
 
 
 @dataclass
-class ShardsyncTrainerInitInfo(TrainerInitInfo):
+class ShardsyncTrainerInitInfo(TrainerInitInfo, GroupSettings):
+    """The trainer's init info: the group's settings (``GroupSettings``; an empty ``token`` is generated and sent to
+    the other trainer ranks and the workers, every worker gets the same settings) and what concerns the trainer."""
+
     backend: ClassVar[str] = BACKEND
 
     master_address: str = "127.0.0.1"
@@ -58,33 +63,17 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     all TP ranks), so ``world_size - 1`` workers must register before the first sync."""
     n_producers: int | None = None
     """Trainer ranks that call ``trainer_init`` (default: torch.distributed's world size, else 1)."""
-    token: str | None = field(default=None, repr=False)
-    """Shared secret of the transfer group (default: random, sent to the other trainer ranks via torch.distributed
-    and to the workers in their init info)."""
     bind_host: str | None = None
     """Interface to bind (default: ``master_address`` on the sender; elsewhere 127.0.0.1 when ``master_address``
     is a loopback address, else 0.0.0.0, advertising this machine's address)."""
-    transport: str = "tcp"
     device: str | None = None
     """Where this rank's ring lives and packing runs (``"cuda:0"``, with transport ``auto``/``cuda_ipc``/``nccl``/
     ``nixl``); None: host memory (tcp)."""
     lookahead: int = 1
-    timeout_s: float = 120.0
-    init_timeout_s: float = 600.0
-    lease_s: float = 10.0
     straggler_s: float | None = None
     """A worker holding a version's group this long without releasing any is dropped from that version as a
     straggler (``ProducerConfig.straggler_s``; None: a few leases, at least 10 s, at most half ``timeout_s``)."""
     gather_budget_bytes: int | None = None
-    verify_checksums: bool | None = None
-    """Chunk checksums (``ProducerConfig.verify_checksums``; None: on for host rings). True also makes every worker
-    demand them."""
-    mac: bool = False
-    """Keyed chunk tags and per-frame MACs for untrusted networks (``ProducerConfig.mac``; they supersede the
-    checksums). True also makes every worker require them (``require_mac``)."""
-    delta: bool = False
-    """Delta sync (``ProducerConfig.delta``, docs/delta.md): every trainer rank keeps the chunks it last served and
-    offers the words that changed; True also makes every worker keep a held copy and read the changes."""
     delta_budget_bytes: int | None = None
     """Each trainer rank's delta history budget (``ProducerConfig.delta_budget_bytes``)."""
     recv_budget_bytes: int | None = None
@@ -99,10 +88,39 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo):
     """Where this trainer session's versions resume: its first ``send_weights`` sends ``start_version + 1`` (e.g.
     the step of the checkpoint a restarted trainer loaded). None: after the newest version any engine holds
     (their weight versions, ``ownership.engine_versions``; 0 where the client cannot say, e.g. vLLM 0.26)."""
+    producer_options: dict[str, Any] = field(default_factory=dict)
+    """Any other ``ProducerConfig`` field for every trainer rank (``source_reads``, ``max_chunk_bytes``,
+    ``max_routed_bytes``, ...); an unknown name is refused at ``trainer_init``."""
     # accepted for drop-in compatibility with NCCLTrainerInitInfo; shardsync sizes its buffers from the plans
     packed: bool = True
     packed_buffer_size_bytes: int = 0
     packed_num_buffers: int = 0
+
+
+def producer_config(info: ShardsyncTrainerInitInfo, *, rank: int, n_producers: int) -> ProducerConfig:
+    """This trainer rank's producer config: the info's group settings (its token left empty: rank 0 generates one,
+    the others learn it) and its own fields."""
+    loopback = info.master_address in ("localhost", "::1") or info.master_address.startswith("127.")
+    # rank 0 binds the coordinator address; the others their whole machine (advertising its address) unless the
+    # group is on loopback
+    other = "127.0.0.1" if loopback else "0.0.0.0"
+    return ProducerConfig(**{**settings_of(info).fields(), "token": ""}, rank=rank, n_producers=n_producers,
+                          n_consumers=info.world_size - 1,
+                          host=info.bind_host or (info.master_address if rank == 0 else other),
+                          advertise_host=info.master_address if rank == 0 else None,
+                          port=info.master_port if rank == 0 else 0, lookahead=info.lookahead,
+                          straggler_s=info.straggler_s, gather_budget_bytes=info.gather_budget_bytes,
+                          device=info.device, delta_budget_bytes=info.delta_budget_bytes,
+                          **producer_options(info.producer_options, where="ShardsyncTrainerInitInfo.producer_options"))
+
+
+def worker_init_info(info: ShardsyncTrainerInitInfo, *, coordinator: Any, token: str, session: str,
+                     start_version: int) -> dict[str, Any]:
+    """What every worker's ``init_weight_transfer_engine`` gets (``ShardsyncInitInfo``): the group's settings as the
+    trainer runs them, with its token, and where and whose the group is."""
+    return {**settings_of(info).to_dict(), "token": token, "coordinator": list(coordinator),
+            "validate": info.validate, "recv_budget_bytes": info.recv_budget_bytes, "session": session,
+            "start_version": start_version, **({"plan_dir": info.status_dir} if info.status_dir else {})}
 
 
 def _trainer_world() -> int:
@@ -157,20 +175,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         rank = init_info.rank
         if not 0 <= rank < n_prod:
             raise ValueError(f"trainer rank {rank} outside 0..{n_prod - 1} (n_producers={n_prod})")
-        loopback = init_info.master_address in ("localhost", "::1") or init_info.master_address.startswith("127.")
-        # rank 0 binds the coordinator address; the others their whole machine (advertising its address) unless
-        # the group is on loopback
-        other = "127.0.0.1" if loopback else "0.0.0.0"
-        cfg = ProducerConfig(rank=rank, n_producers=n_prod, n_consumers=init_info.world_size - 1, token="",
-                             host=init_info.bind_host or (init_info.master_address if rank == 0 else other),
-                             advertise_host=init_info.master_address if rank == 0 else None,
-                             port=init_info.master_port if rank == 0 else 0, transport=init_info.transport,
-                             lookahead=init_info.lookahead, timeout_s=init_info.timeout_s,
-                             init_timeout_s=init_info.init_timeout_s, lease_s=init_info.lease_s,
-                             straggler_s=init_info.straggler_s, gather_budget_bytes=init_info.gather_budget_bytes,
-                             verify_checksums=init_info.verify_checksums, device=init_info.device,
-                             mac=init_info.mac, delta=init_info.delta,
-                             delta_budget_bytes=init_info.delta_budget_bytes)
+        cfg = producer_config(init_info, rank=rank, n_producers=n_prod)
         token = init_info.token or (secrets.token_hex(16) if rank == 0 else "")
         session = secrets.token_hex(8) if rank == 0 else ""
         client = as_client(client)
@@ -198,12 +203,8 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         if not engine.is_sender:
             producer.init()
             return engine
-        payload = {"coordinator": list(address), "token": token, "transport": init_info.transport,
-                   "timeout_s": init_info.timeout_s, "validate": init_info.validate,
-                   "verify_checksums": bool(init_info.verify_checksums), "require_mac": bool(init_info.mac),
-                   "delta": bool(init_info.delta), "recv_budget_bytes": init_info.recv_budget_bytes,
-                   "session": session, "start_version": engine.version,
-                   **({"plan_dir": init_info.status_dir} if init_info.status_dir else {})}
+        payload = worker_init_info(init_info, coordinator=address, token=token, session=session,
+                                   start_version=engine.version)
         # an engine-side failure (a worker that cannot start the backend; an engine another live trainer session
         # owns: EngineOwnedError, naming it) ends the producers' init at once
         try:

@@ -48,6 +48,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from ...config import GroupSettings, resolve_aliases, settings_of
 from ...errors import SyncError
 from ...types import metadata_digest
 from .compat import check_supported
@@ -67,7 +68,10 @@ in-process engine shuts down inside the driver's exit; a goodbye to silent produ
 
 
 @dataclass
-class ShardsyncInitInfo(WeightTransferInitInfo):
+class ShardsyncInitInfo(WeightTransferInitInfo, GroupSettings):
+    """A worker's init info: the group's settings (``GroupSettings``: token, transport, timeouts, checksums, mac,
+    delta, ...; the trainer backend sends its own) and what concerns this engine."""
+
     plan_dir: str = ""
     """Where each worker writes ``plan_rank{R}.json`` (and its init / status files). Default: the engine's own folder,
     ``{tempdir}/shardsync-vllm/pid{P}`` (P: the pid of the process that started the engine), removed when that
@@ -79,16 +83,12 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     coordinator: list[Any] | None = None
     """Address [host, port] of producer 0's control server. Workers learn the metadata from it, register
     their plans, and pull every sync from the producers (no data through the driver)."""
-    token: str = field(default="", repr=False)
-    transport: str = "tcp"
-    transport_kwargs: dict[str, Any] = field(default_factory=dict)
     recv_device: str = "auto"
     """Where the receive slots live. ``auto``: the worker's GPU when it has one and the transport moves
     GPU memory (anything but ``tcp``), else host memory; ``cpu``; or a device such as ``cuda:0``."""
     replica: str = ""
     """This engine's replica id (consumers are ``{replica}/rank{R}``); default ``vllm-{instance id}``, unique per
     engine, so one init payload can go to several replicas (vLLM's Ray client fans out)."""
-    timeout_s: float = 120.0
     session: str = ""
     """The trainer session this init comes from (``ShardsyncTrainerEngine`` generates one at ``trainer_init``): with
     its coordinator's address it names the engine's owner; an init of another session is refused while the owner's
@@ -96,20 +96,13 @@ class ShardsyncInitInfo(WeightTransferInitInfo):
     start_version: int | None = None
     """The session's first version must be newer than this (the trainer's checkpoint step, or the engines' own
     version); later ones newer than the last complete one. None: newer than the last complete version."""
-    verify_checksums: bool = False
-    """Demand an xxh3 checksum with every chunk (the producers' ``verify_checksums``) and check it."""
-    require_mac: bool = False
-    """Demand keyed chunk tags and MACed control frames (the producers' ``mac``; ``Consumer.require_mac``)."""
-    delta: bool = False
-    """Delta sync (``Consumer.delta``, docs/delta.md): keep a held copy of this worker's packed chunks and read only
-    the words that changed where the producers (``ProducerConfig.delta``) offer them against the version held."""
     recv_budget_bytes: int | None = None
     """The most bytes this worker's receive buffers may take (at least two of its largest groups)."""
     inspect_to: str = ""
     """With ``check_fresh``: the directory each worker writes ``fresh_rank{R}.json`` to."""
     check_fresh: str = ""
     """With ``inspect_to``: only compare what the engine holds with a fresh load of this checkpoint directory
-    (vLLM's model loader on this worker's config, ``fresh_load.fresh_check``) and write the outcome to
+    (vLLM's model loader on this worker's config, ``fresh_check.fresh_check``) and write the outcome to
     ``{inspect_to}/fresh_rank{R}.json``; no plan, engine state untouched."""
 
     def __post_init__(self) -> None:
@@ -152,6 +145,10 @@ def _recv_device(info: ShardsyncInitInfo, worker_device: Any) -> str | None:
 
 class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInfo]):
     init_info_cls = ShardsyncInitInfo
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> ShardsyncInitInfo:
+        """vLLM's parse, with the settings' old names (``config.ALIASES``: ``require_mac``) still accepted."""
+        return super().parse_init_info(resolve_aliases(dict(init_dict), where="shardsync init_info"))
     update_info_cls = ShardsyncUpdateInfo
     supports_draft_weight_update = False
 
@@ -254,11 +251,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         registered with the producers by the consumer, which then pulls every sync."""
         from ...engine.consumer.consumer import Consumer
 
-        self.consumer = Consumer(consumer, init_info.coordinator, token=init_info.token, record=record,
-                                 apply=self._apply, transport=init_info.transport,
-                                 transport_kwargs=init_info.transport_kwargs, timeout_s=init_info.timeout_s,
-                                 verify_checksums=init_info.verify_checksums, require_mac=init_info.require_mac,
-                                 delta=init_info.delta, recv_budget_bytes=init_info.recv_budget_bytes,
+        self.consumer = Consumer(consumer, init_info.coordinator, record=record, apply=self._apply,
+                                 settings=settings_of(init_info), recv_budget_bytes=init_info.recv_budget_bytes,
                                  device=_recv_device(init_info, self.device))
         try:
             return self.consumer.init()
