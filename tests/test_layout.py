@@ -1,8 +1,9 @@
 """The wings' dependency arrows (DESIGN.md "Layout"): checked on every module's imports, lazy ones included.
 
-Product code is ``src/shardsync`` except ``programs/``, ``testing/zoo/``, ``cli.py`` and any ``testing`` subpackage (e.g.
-``testing/vllm/``): it never imports that scaffolding; only ``integrations/`` (and ``programs/``, the
-CLI programs) import vllm; only ``integrations/ray`` and ``programs/`` import ray. ``import shardsync`` stays light
+Product code is ``src/shardsync`` except ``programs/``, ``cli.py`` and ``testing/`` (the zoo, the harness, vLLM test
+scaffolding): it never imports them; only ``integrations/``, ``verify/`` (and ``programs/``, ``testing/``) import
+vllm; only ``integrations/ray``, ``programs/`` and ``testing/`` import ray. No import circle anywhere (lazy and
+type-only imports counted); the engine's sides never import each other. ``import shardsync`` stays light
 (the runtime, the sharded sources and vLLM load on first use) and the examples import only its public names.
 """
 
@@ -19,19 +20,31 @@ EXAMPLES = PKG.parents[1] / "examples"
 
 # wing -> wings (and outside packages) it must never import
 FORBIDDEN = {
-    "plan": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
+    "plan": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing",
              "shardsync.cli", "torch.distributed"),
-    "transport": ("shardsync.plan", "shardsync.engine", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
+    "transport": ("shardsync.plan", "shardsync.engine", "shardsync.integrations", "shardsync.programs", "shardsync.testing",
                   "shardsync.cli"),
-    "engine": ("shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo", "shardsync.cli", "vllm", "ray"),
-    "sources": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing.zoo",
+    "engine": ("shardsync.integrations", "shardsync.programs", "shardsync.testing", "shardsync.cli", "vllm", "ray"),
+    "sources": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs", "shardsync.testing",
                 "shardsync.cli", "vllm", "ray"),
-    "integrations": ("shardsync.programs", "shardsync.testing.zoo", "shardsync.cli"),
-    "tools": ("shardsync.cli",),
+    "integrations": ("shardsync.programs", "shardsync.testing", "shardsync.verify", "shardsync.cli"),
+    "security": ("shardsync.plan", "shardsync.engine", "shardsync.transport", "shardsync.integrations",
+                 "shardsync.programs", "shardsync.testing", "shardsync.verify", "shardsync.cli", "torch"),
+    "delta": ("shardsync.engine", "shardsync.transport", "shardsync.integrations", "shardsync.programs",
+              "shardsync.testing", "shardsync.verify", "shardsync.cli", "torch.distributed"),
+    "verify": ("shardsync.programs", "shardsync.testing", "shardsync.cli"),
+    "programs": ("shardsync.cli",),
+    "testing": ("shardsync.cli",),
+    "engine/producer": ("shardsync.engine.consumer",),
+    "engine/consumer": ("shardsync.engine.producer",),
+    "engine/protocol": ("shardsync.engine.producer", "shardsync.engine.consumer", "shardsync.engine.coordinator",
+                        "shardsync.engine.source_reads"),
+    "engine/coordinator": ("shardsync.engine.producer", "shardsync.engine.consumer", "shardsync.engine.source_reads"),
 }
-NOT_PRODUCT = ("shardsync.programs", "shardsync.testing.zoo", "shardsync.cli")  # and any testing subpackage
-VLLM_ALLOWED = ("shardsync.integrations", "shardsync.programs", "shardsync.cli")
-RAY_ALLOWED = ("shardsync.integrations.ray", "shardsync.programs")
+NOT_PRODUCT = ("shardsync.programs", "shardsync.testing", "shardsync.cli")  # and any testing subpackage
+VLLM_ALLOWED = ("shardsync.integrations", "shardsync.verify", "shardsync.programs", "shardsync.testing",
+                "shardsync.cli")
+RAY_ALLOWED = ("shardsync.integrations.ray", "shardsync.programs", "shardsync.testing")
 # Ray imports outside integrations/ray and programs/ found when this rule was written (issue 22), each to move or be
 # allowed by a decision; the test fails once one is gone, so that its entry goes too.
 RAY_KNOWN = {
@@ -40,10 +53,10 @@ RAY_KNOWN = {
 }
 # `import shardsync` must not load these (they load on first use of a public name)
 HEAVY = ("vllm", "ray", "transformers", "torch.distributed.tensor", "torch.distributed.fsdp", "shardsync.engine",
-         "shardsync.transport", "shardsync.integrations", "shardsync.sources", "shardsync.programs", "shardsync.testing.zoo")
+         "shardsync.transport", "shardsync.integrations", "shardsync.sources", "shardsync.programs", "shardsync.testing")
 # what examples may import from shardsync besides `shardsync` itself: the fresh-engine check their --verify runs
 # (test scaffolding: a testing subpackage, or the module that holds the fresh reference until it moves there)
-EXAMPLE_VERIFY = ("shardsync.integrations.vllm.reference",)
+EXAMPLE_VERIFY = ("shardsync.verify",)
 
 
 def _module(path: pathlib.Path) -> str:
@@ -100,7 +113,7 @@ def _modules() -> dict[str, set[str]]:
 
 @pytest.mark.parametrize("wing", sorted(FORBIDDEN))
 def test_dependencies_point_one_way(wing):
-    files = sorted((PKG / wing).rglob("*.py"))
+    files = sorted((PKG / wing).rglob("*.py"))  # a wing is a folder, e.g. "engine/producer"
     assert files, f"wing {wing}/ is missing"
     bad = [(str(f.relative_to(PKG)), imp) for f in files for imp in sorted(_imports(f))
            if any(imp == x or imp.startswith(x + ".") for x in FORBIDDEN[wing])]
@@ -109,15 +122,15 @@ def test_dependencies_point_one_way(wing):
 
 def test_no_flat_modules_left():
     top = sorted(p.stem for p in PKG.glob("*.py"))
-    assert top == ["__init__", "cli", "errors", "source", "types"], top
+    assert top == ["__init__", "cli", "config", "errors", "source", "types"], top
 
 
 def test_product_code_never_imports_tools_zoo_or_testing_scaffolding():
     mods = _modules()
-    assert any(_is_product(m) for m in mods) and not _is_product("shardsync.testing.vllm.fresh")
+    assert any(_is_product(m) for m in mods) and not _is_product("shardsync.testing.vllm.fault_models")
     bad = [(m, imp) for m, imps in mods.items() if _is_product(m) for imp in sorted(imps)
-           if _under(imp, ("shardsync.programs", "shardsync.testing.zoo")) or _is_testing(imp)]
-    assert not bad, f"product code imports programs/, testing/zoo/ or a testing subpackage: {bad}"
+           if _under(imp, ("shardsync.programs", "shardsync.testing")) or _is_testing(imp)]
+    assert not bad, f"product code imports programs/ or testing/: {bad}"
 
 
 def test_nothing_imports_the_cli():
@@ -214,5 +227,84 @@ def test_public_names_resolve_lazily_and_unknown_ones_fail():
 def test_examples_import_only_public_names(example):
     imps = _imports(EXAMPLES / example)
     bad = sorted(imp for imp in imps if _under(imp, ("shardsync",)) and imp != "shardsync"
-                 and not (_is_testing(imp) or imp in EXAMPLE_VERIFY))
+                 and not (_is_testing(imp) or _under(imp, EXAMPLE_VERIFY)))
     assert not bad, f"examples/{example} imports shardsync internals: {bad}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the shardsync modules it imports (lazy and type-only imports included; a package's own
+    ``__init__`` on the way to a submodule is not an edge of the importer)."""
+    mods = _modules()
+    return {m: {i for i in imps if i in mods and i != m and not m.startswith(i + ".")} for m, imps in mods.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    """No module imports, directly or through others, a module that imports it back: lazy imports (in a
+    function) and type-only ones (under ``if TYPE_CHECKING``) count, they are arrows a reader must follow too."""
+    circles = _circles(_module_graph())
+    assert not circles, f"import circles: {circles}"
+
+
+def test_file_names_are_unique():
+    names: dict[str, list[str]] = {}
+    for f in PKG.rglob("*.py"):
+        if f.name != "__init__.py":
+            names.setdefault(f.name, []).append(str(f.relative_to(PKG)))
+    dup = {n: ps for n, ps in names.items() if len(ps) > 1}
+    assert not dup, f"one file name in several folders: {dup}"
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    root = PKG.parents[1]
+    files = [*PKG.rglob("*.py"), *root.glob("docs/*.md"), root / "README.md", *root.glob("tests/*.py"),
+             *root.glob("benchmarks/*.py"), *root.glob("examples/*.py")]
+    bad = [str(f.relative_to(root)) for f in files if f != pathlib.Path(__file__).resolve()
+           and "DESIGN" + ".md" in f.read_text()]
+    assert not bad, f"cite DESIGN.md, which is not in the repository: {bad}"

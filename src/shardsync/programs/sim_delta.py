@@ -12,7 +12,7 @@ of its chunks (where it cannot apply into its live weights)::
     r = simulate(spec, top, delta=[DeltaModel(fraction=f) for f in (0.01, 0.02, 0.05)])
     r["delta"][0]["parallel_pp_s"], r["delta"][0]["bytes_ratio"]
 
-The default rates are the plain-torch codec measured on one H200 at 1 % changed (DESIGN.md, 2026-12-01: 1.26 GB
+The default rates are the plain-torch codec measured on one H200 at 1 % changed (measured 2026-12-01: 1.26 GB
 encoded in 2.47 ms, decoded in 0.34 ms; decode rounded down); ``benchmarks/delta_codec.py`` measures them on a
 device at 1 / 5 / 20 %. Not modelled: changes clustered in some tensors (norms never change at RL rates, so real
 chunks are sparser or denser than the mean), the first sync and rejoiners (dense), and the host sync per chunk.

@@ -65,7 +65,7 @@ CONTROL_RTT_S = 100e-6
 READ_LATENCY_S = 10e-6
 """Issue-to-completion overhead of one one-sided chunk read (RDMA)."""
 HBM_COPY_BPS = 2.1e12
-"""Same-GPU copy rate measured on H200 (DESIGN.md): packing and unpacking slices."""
+"""Same-GPU copy rate measured on one H200 (docs/gpu.md): packing and unpacking slices."""
 CPU_COPY_BPS = 5e9
 CPU_RTT_S = 0.5e-3
 """The CPU bench's pack/unpack copy rate and control round trip (2 shared cores, TCP loopback)."""

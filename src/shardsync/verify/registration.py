@@ -10,11 +10,12 @@ temporary directory that ``enable`` prepends to ``sys.path`` and ``PYTHONPATH``:
 (forked or spawned) and any process started with that environment find it through ``importlib.metadata`` as
 they find an installed plugin (``vllm.general_plugins``), and call it before a model is built. Two entry points:
 
-- ``shardsync_testing`` → ``register``: the ``shardsync`` backend becomes the testing engine (``testing.engine``:
+- ``shardsync_testing`` → ``register``: the ``shardsync`` backend becomes the testing engine (``verify_engine``:
   the product's pull mode plus inspection, driver push and the full baseline);
-- ``shardsync_testing_models`` → ``models.register``: the test models.
+- ``shardsync_testing_models`` → ``shardsync.testing.vllm.fault_models.register``: the test models (test
+  scaffolding, not in the wheel).
 
-The product's plugin (``..plugin``) knows nothing of either; an engine started without them is the product.
+The product's plugin (``integrations/vllm/plugin.py``) knows nothing of either; an engine started without them is the product.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["enable", "env", "register"]
 
 GROUP = "vllm.general_plugins"
 ENTRY_POINTS = {"backend": ("shardsync_testing", f"{__name__}:register"),
-                "models": ("shardsync_testing_models", f"{__package__}.models:register")}
+                "models": ("shardsync_testing_models", "shardsync.testing.vllm.fault_models:register")}
 
 _dirs: dict[str, str] = {}
 
@@ -104,7 +105,9 @@ def enable(models: bool = False) -> None:
             sys.path.insert(0, d)
     os.environ.update(extra)
     register()
-    if models:
-        from ..testing.vllm.fault_models import register as register_models
+    if models:  # test scaffolding (``shardsync.testing``, not in the wheel): loaded the way vLLM loads it elsewhere
+        from importlib.metadata import entry_points
 
-        register_models()
+        for ep in entry_points(group="vllm.general_plugins"):
+            if ep.name == "shardsync_testing_models":
+                ep.load()()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from ...config import GroupSettings, split_settings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -50,7 +51,7 @@ from ..lanes import Lane, hot_path
 from ...delta.receiver import HeldChunks
 from .puller import Puller, PullRound, SerialPuller
 from ..source_reads.source_open import SourceOpener
-from ..protocol.wire import DEFAULT_MAX_FRAME, parse_address
+from ..protocol.wire import parse_address
 from ..coordinator.membership import Membership
 from ...errors import ConsumerDropped, SessionInUse, SyncError, TransportError
 from ...plan.pack import GroupLayout
@@ -69,14 +70,21 @@ class ConsumerDisplaced(ConsumerDropped):
 
 
 class Consumer:
-    def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, token: str, record: RecordFn,
-                 apply: ApplyFn,
-                 transport: str | Transport = "tcp", transport_kwargs: dict[str, Any] | None = None,
-                 timeout_s: float = 120.0, recv_slots: int = 4, init_timeout_s: float = 600.0,
-                 recv_budget_bytes: int | None = None, parallel_producers: bool = True,
-                 verify_checksums: bool = False, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 device: str | None = None, switch_interval_s: float | None = 0.0002, node: str = "",
-                 direct_reads: bool | None = None, require_mac: bool = False, delta: bool = False):
+    def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, record: RecordFn, apply: ApplyFn,
+                 settings: GroupSettings | None = None, recv_slots: int = 4, recv_budget_bytes: int | None = None,
+                 parallel_producers: bool = True, device: str | None = None, node: str = "",
+                 direct_reads: bool | None = None, **group: Any):
+        """``settings``: the group's (``config.GroupSettings``); ``group``: any of its fields by keyword (on top of
+        ``settings``; old names such as ``require_mac`` accepted). ``transport`` may also be a ``Transport``."""
+        found, unknown = split_settings(group, where=f"Consumer {consumer_id!r}", base=settings)
+        if unknown:
+            raise TypeError(f"Consumer {consumer_id!r}: unknown keyword argument(s) {sorted(unknown)[:8]}")
+        self.settings = found
+        """The group settings this consumer runs with."""
+        token, transport, transport_kwargs = found.token, found.transport, found.transport_kwargs
+        timeout_s, init_timeout_s, max_frame_bytes = found.timeout_s, found.init_timeout_s, found.max_frame_bytes
+        verify_checksums, require_mac, delta = found.verify_checksums is True, found.mac, found.delta
+        switch_interval_s = found.switch_interval_s
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
         kw = dict(transport_kwargs or {})
