@@ -92,11 +92,12 @@ def resolve_aliases(kw: dict[str, Any], *, where: str) -> dict[str, Any]:
     """``kw`` with every old name (:data:`ALIASES`) replaced by its setting's name; both given with different values
     is a ``TypeError`` naming both."""
     out: dict[str, Any] = {}
+    said: dict[str, str] = {}
     for k, v in kw.items():
         name = ALIASES.get(k, k)
         if name in out and out[name] != v:
-            raise TypeError(f"{where}: {k}={v!r} and {name}={out[name]!r} name one setting ({name}) twice")
-        out[name] = v
+            raise TypeError(f"{where}: {said[name]}={out[name]!r} and {k}={v!r} name one setting ({name}) twice")
+        out[name], said[name] = v, k
     return out
 
 
