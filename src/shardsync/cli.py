@@ -122,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("shardsync.programs") is None:  # an installed wheel: the product and verify only
+        print(f"shardsync {args.cmd} runs from a source checkout (git clone ...; make demo): the wheel holds the "
+              "library and `shardsync verify`", file=sys.stderr)
+        return 2
     if args.cmd == "demo":
         from .programs.demo import run
 
