@@ -46,7 +46,7 @@ class _Made:
 def test_consumer(field, monkeypatch):
     from shardsync.engine.consumer import consumer as mod
 
-    monkeypatch.setattr(mod, "make_transport", lambda name, **kw: _Made(name, kw))  # no sockets: what it is given
+    monkeypatch.setattr(mod, "make_group_transport", lambda name, **kw: _Made(name, kw))  # no sockets: what it gets
     c = mod.Consumer("c0", "127.0.0.1:1", record=lambda metas: None, apply=lambda g, b: None, **_one(field))
     assert getattr(c.settings, field) == SENTINELS[field]
     if field == "transport":

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardsync.errors import TransportError
-from shardsync.transport import make_transport
+from shardsync.transport import TRANSPORTS, make_transport
 
 CTX = mp.get_context("spawn")
 N = 3 * (1 << 20) + 123
@@ -173,3 +173,19 @@ def test_wrong_token_is_refused_before_any_byte_or_group(name: str) -> None:
     finally:
         cons.close()
         prod.close()
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPORTS))
+def test_capabilities_are_declared_not_guessed(name):
+    """What a transport can do beyond the contract is declared in its ``caps`` (``transport/base.py``) and matches
+    the methods it has: memory sharing (source reads) and a token-authenticated data plane."""
+    import importlib
+    import inspect
+
+    from shardsync.transport import transport_caps
+
+    module, cls_name = TRANSPORTS[name]
+    cls = getattr(importlib.import_module(module), cls_name)
+    caps = transport_caps(name)
+    assert caps.shares_memory == (hasattr(cls, "share") and hasattr(cls, "open_shared")), name
+    assert caps.takes_token == ("token" in inspect.signature(cls.__init__).parameters), name

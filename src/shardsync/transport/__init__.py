@@ -1,5 +1,5 @@
 """Transports: a consumer pulls byte ranges of a producer's registered buffer (see ``base``)."""
 
-from .base import TRANSPORTS, Caps, Transport, make_transport
+from .base import TRANSPORTS, Caps, Transport, make_group_transport, make_transport, transport_caps
 
-__all__ = ["Caps", "Transport", "make_transport", "TRANSPORTS"]
+__all__ = ["Caps", "Transport", "make_transport", "make_group_transport", "transport_caps", "TRANSPORTS"]

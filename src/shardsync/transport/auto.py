@@ -35,7 +35,7 @@ CROSS_NODE = ("nixl", "nccl")
 
 class AutoTransport:
     name = "auto"
-    caps = Caps(one_sided=False, gpu=True, can_abort=True)
+    caps = Caps(one_sided=False, gpu=True, can_abort=True, shares_memory=True, takes_token=True)
 
     def __init__(self, *, host: str = "127.0.0.1", token: str = "", advertise_host: str | None = None,
                  nixl: bool | None = None):

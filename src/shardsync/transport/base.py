@@ -14,6 +14,8 @@ method                 side        what
 ``close()``            both        release everything; pending reads fail with TransportError
 ``view(p)`` (optional) consumer    ``p``'s buffer as a tensor of this process (``cuda_ipc``, ``loopback``):
                                    the consumer may copy straight from it into its parameters (direct reads)
+``share(t)``           producer    with ``caps.shares_memory``: a descriptor of tensor ``t`` where it lies
+``open_shared(p, d)``  consumer    with ``caps.shares_memory``: that tensor of producer ``p``, mapped here
 =====================  ==========  =====================================================================
 
 Every wait has a timeout; a dead peer surfaces as :class:`~shardsync.errors.TransportError` naming the
@@ -33,7 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Caps", "Transport", "make_transport", "TRANSPORTS"]
+__all__ = ["Caps", "Transport", "make_transport", "make_group_transport", "transport_caps", "TRANSPORTS"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class Caps:
     """``close`` interrupts reads in flight."""
     cross_process: bool = True
     """Producer and consumer may live in different processes."""
+    shares_memory: bool = False
+    """Implements ``share(t)`` (producer: a descriptor of tensor ``t`` where it lies) and ``open_shared(p, desc)``
+    (consumer: that tensor mapped into this process): source reads (``engine/source_reads/``) are offered."""
+    takes_token: bool = False
+    """Its data plane is authenticated with the group's token (made with ``token=``; :func:`make_group_transport`)."""
 
 
 @runtime_checkable
@@ -80,6 +87,22 @@ def make_transport(name: str, **kwargs: Any) -> Transport:
         raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}")
     module, cls = TRANSPORTS[name]
     return getattr(import_module(module), cls)(**kwargs)
+
+
+def transport_caps(name: str) -> Caps:
+    """The capabilities transport ``name`` declares (its class imported, not instantiated)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; known: {sorted(TRANSPORTS)}")
+    module, cls = TRANSPORTS[name]
+    return getattr(import_module(module), cls).caps
+
+
+def make_group_transport(name: str, *, token: str, **kwargs: Any) -> Transport:
+    """A transport for a group member: one whose data plane is authenticated (``caps.takes_token``) gets the
+    group's token unless ``kwargs`` name another."""
+    if transport_caps(name).takes_token:
+        kwargs.setdefault("token", token)
+    return make_transport(name, **kwargs)
 
 
 def check_range(buf_nbytes: int, offset: int, nbytes: int, into: torch.Tensor, peer: str) -> None:

@@ -45,7 +45,7 @@ def _export(t: torch.Tensor) -> dict[str, Any]:
 
 class CudaIpcTransport:
     name = "cuda_ipc"
-    caps = Caps(one_sided=True, gpu=True, can_abort=False)
+    caps = Caps(one_sided=True, gpu=True, can_abort=False, shares_memory=True)
 
     def __init__(self) -> None:
         self._keep: list[torch.Tensor] = []

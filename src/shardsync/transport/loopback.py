@@ -22,7 +22,7 @@ _LOCK = threading.Lock()
 
 class LoopbackTransport:
     name = "loopback"
-    caps = Caps(one_sided=True, gpu=True, can_abort=True, cross_process=False)
+    caps = Caps(one_sided=True, gpu=True, can_abort=True, cross_process=False, shares_memory=True)
 
     def __init__(self) -> None:
         self._mine: list[int] = []

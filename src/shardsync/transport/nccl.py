@@ -85,7 +85,7 @@ def _abort(pg: Any) -> None:
 
 class NcclTransport:
     name = "nccl"
-    caps = Caps(one_sided=False, gpu=True, can_abort=True)
+    caps = Caps(one_sided=False, gpu=True, can_abort=True, takes_token=True)
 
     def __init__(self, *, host: str = "127.0.0.1", token: str = "", advertise_host: str | None = None,
                  backend: str = "nccl", connect_timeout_s: float = 60.0, auth_timeout_s: float = 10.0):

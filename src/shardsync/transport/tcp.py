@@ -65,7 +65,7 @@ def send_token(sock: socket.socket, token: str, extra: bytes = b"") -> bool:
 
 class TcpTransport:
     name = "tcp"
-    caps = Caps(one_sided=False, gpu=False, can_abort=True)
+    caps = Caps(one_sided=False, gpu=False, can_abort=True, takes_token=True)
 
     def __init__(self, *, host: str = "127.0.0.1", token: str = "", port: int = 0, advertise_host: str | None = None,
                  idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0):

@@ -56,7 +56,7 @@ from ..coordinator.membership import Membership
 from ...errors import ConsumerDropped, SessionInUse, SyncError, TransportError
 from ...plan.pack import GroupLayout
 from ...plan.route import chunk_layouts, holders_from_ownership
-from ...transport import Transport, make_transport
+from ...transport import Transport, make_group_transport
 from ...types import ParamMeta, Plan
 
 RecordFn = Callable[[Sequence[ParamMeta]], Plan]
@@ -87,10 +87,8 @@ class Consumer:
         switch_interval_s = found.switch_interval_s
         self.id, self.coordinator, self.token = consumer_id, parse_address(coordinator), token
         self.record, self.apply = record, apply
-        kw = dict(transport_kwargs or {})
-        if transport in ("tcp", "nccl", "auto"):
-            kw.setdefault("token", token)  # the data plane is authenticated with the group's token too
-        self.transport = transport if not isinstance(transport, str) else make_transport(transport, **kw)
+        self.transport = transport if not isinstance(transport, str) else \
+            make_group_transport(transport, token=token, **dict(transport_kwargs or {}))
         self.timeout_s, self.recv_slots, self.init_timeout_s = timeout_s, recv_slots, init_timeout_s
         self.recv_budget_bytes = recv_budget_bytes
         """Receive memory cap: ``recv_slots`` is lowered to fit it (at least 2 slots of the largest group)."""
@@ -160,7 +158,7 @@ class Consumer:
         try:
             self.metas = [ParamMeta.from_dict(d) for d in w.metadata]
             self.sources = SourceOpener(self.transport, self.metas, who=f"consumer {self.id}") \
-                if hasattr(self.transport, "open_shared") else None
+                if self.transport.caps.shares_memory else None
             self.plan = self.record(self.metas)
             holders = holders_from_ownership(w.held, [x.name for x in self.metas])
             self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders,
@@ -424,3 +422,4 @@ class Consumer:
             self.coord.close()
         self.sources = None  # the producers' mapped tensors are let go before the transport closes
         self.transport.close()
+

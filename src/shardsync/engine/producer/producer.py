@@ -58,7 +58,7 @@ from ..protocol.wire import parse_address
 from ...errors import SyncError
 from ...source import WeightSource
 from ...sources.adapt import adapt
-from ...transport import Transport, make_transport
+from ...transport import Transport, make_group_transport, transport_caps
 from ...types import dtype_of, metadata_digest
 
 
@@ -153,11 +153,10 @@ class Producer:
         """The data plane; the tcp and nccl transports bind where the control plane does, advertise the same address
         and check the group's token (unless ``transport_kwargs`` say otherwise)."""
         kw = dict(self.cfg.transport_kwargs)
-        if self.cfg.transport in ("tcp", "nccl", "auto"):
-            kw.setdefault("token", self.cfg.token)
+        if transport_caps(self.cfg.transport).takes_token:  # a socket data plane: where the control plane listens
             kw.setdefault("host", self.cfg.host)
             kw.setdefault("advertise_host", self.cfg.advertise_host)
-        return make_transport(self.cfg.transport, **kw)
+        return make_group_transport(self.cfg.transport, token=self.cfg.token, **kw)
 
     # ------------------------------------------------------------------ control handler
     def _handle(self, msg: m.Msg) -> m.Msg:

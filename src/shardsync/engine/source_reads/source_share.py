@@ -49,7 +49,7 @@ class SourceShare:
     def configured(cls, cfg: Any, transport: Any, *, gpu: bool, checksums: bool) -> "SourceShare | None":
         """The producer's source reads per ``ProducerConfig.source_reads`` (None: on for a GPU ring, where they can
         be); SyncError when asked for where they cannot be."""
-        can = hasattr(transport, "share") and not (checksums or cfg.mac or cfg.delta)
+        can = transport.caps.shares_memory and not (checksums or cfg.mac or cfg.delta)
         if cfg.source_reads and not can:
             raise SyncError(f"producer {cfg.rank}: source_reads needs a transport that shares memory (cuda_ipc, "
                             "loopback) and no checksums, mac or delta")
