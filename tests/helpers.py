@@ -43,7 +43,9 @@ def run_rank_scripts(script: str, world: int, out, timeout_s: float, what: str) 
     import pytest
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    tests = os.path.dirname(os.path.abspath(__file__))   # the rank scripts import ``helpers`` too
+    path = os.pathsep.join([tests, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": path}
     procs = [subprocess.Popen([sys.executable, script, str(r), str(port), str(out)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline, logs = time.monotonic() + timeout_s, []

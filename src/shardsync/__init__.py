@@ -9,12 +9,13 @@ The whole system on one line::
     producer: gather group g → replay op chains → pack slices (plan/pack, engine/producer)
             → transport → consumer: unpack → scatter into the engine's buffers → engine processes layer
 
-Wings, in the order data flows (dependencies point one way, right to left):
-``cli`` → ``programs/`` (one module per CLI command; ``programs/harness``) → ``integrations/`` (vllm, ray, verl) →
-``engine/`` (producer, consumer, coordinator, control, loopback) → ``transport/`` and ``plan/`` (record,
-groups, coverage, pack, route, opcodec, validate) → ``types``, ``errors``, ``source``.
-``sources/`` holds the trainer-side sources (FSDP2, Megatron); ``kernels/`` device kernels for the process
-step; ``testing/zoo/`` tiny models with vLLM's loader semantics (tests, benchmarks and the simulator only).
+Wings, in the order data flows (dependencies point one way, right to left; docs/layout.md draws them):
+``cli`` → ``programs/`` (demo, bench, chaos, simulate; source checkout only) → ``integrations/`` (vllm, ray,
+verl) → ``verify/`` → ``engine/`` (``producer/``, ``consumer/``, ``coordinator/``, ``protocol/``,
+``source_reads/``) → ``delta/`` and ``security/`` → ``transport/`` and ``plan/`` (record, groups, coverage, pack,
+route, opcodec, validate) → ``config``, ``types``, ``errors``, ``source``. ``sources/`` holds the trainer-side
+sources (FSDP2, Megatron); ``kernels/`` device kernels for the process step; ``testing/`` the test scaffolding
+(zoo models, harness), kept out of the wheel.
 
 The public API is ``__all__``: what a user calls. The runtime, the sharded sources and vLLM's init info load
 on first use (PEP 562), so ``import shardsync`` imports neither vllm nor ray nor the runtime::

@@ -4,7 +4,7 @@ Every surface embeds :class:`GroupSettings` rather than copying its fields: ``Pr
 infos (``ShardsyncTrainerInitInfo``, ``ShardsyncInitInfo``) inherit it, ``Consumer``, verl's checkpoint engine and
 the Ray helpers take its fields by keyword (or a ``settings=`` object), and the trainer side hands the consumers
 its own settings (``to_dict``: in vLLM's init payload, verl's topology, the Ray registry). A new group-wide setting
-is one field here; ``tests/test_settings_reach.py`` checks that every surface reaches every field.
+is one field here; ``tests/house/test_settings_reach.py`` checks that every surface reaches every field.
 
     s = GroupSettings(token=token, transport="nixl", mac=True)
     ProducerConfig(rank=0, n_producers=1, n_consumers=2, **s.fields())

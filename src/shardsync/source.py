@@ -3,7 +3,7 @@
 A source describes the full (HF checkpoint format) tensors of the model and materialises, on this trainer
 rank, the ones it holds. It has the same five methods as vLLM's ``WeightSource`` (``metadata``,
 ``__iter__``, ``held_names``, ``groups``, ``iter_groups``), with the same contract, so either kind can be
-handed to shardsync (``sources.adapt``) and shardsync's to vLLM's backends (``integrations.vllm.sources``)::
+handed to shardsync (``sources.adapt``) and shardsync's to vLLM's backends (``integrations.vllm.vllm_source``)::
 
     source = ModuleSource(model)            # or ModuleSource(state_dict)
     metas = source.metadata()               # names, dtypes, full shapes of the WHOLE model; no data moves

@@ -5,7 +5,7 @@ shapes and dtypes form a class; only the first and the last layer of each class 
 layers) go through the real recorder (:func:`shardsync.plan.record.record_plan`), the other layers' groups are the
 first one's with the layer index moved. The last layer is the check: its recorded group must equal the moved copy
 of the first, else :func:`record_templated` returns None (record that consumer in full). The plans equal the full
-ones digest for digest (``tests/test_sim.py``), in a fraction of the time::
+ones digest for digest (``tests/programs/test_sim.py``), in a fraction of the time::
 
     index = LayerIndex(metas)                        # once per metadata, shared by every consumer
     plan = record_templated(model.load_weights, dict(model.named_parameters()), metas, consumer="tp0", rank=0,

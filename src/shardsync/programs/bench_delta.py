@@ -2,7 +2,7 @@
 
 The trainer is ``delta_probe.RateTrainer`` (a Llama-shaped policy with fp32 master weights, AdamW at an RL learning
 rate, bf16 served). Two passes over the same versions, each a transfer group of its own — a ``Producer`` in this
-process over the served weights, ``replicas`` vLLM engines of TP ``tp`` (``harness.vllm_engine``) pulling:
+process over the served weights, ``replicas`` vLLM engines of TP ``tp`` (``harness.vllm_replica``) pulling:
 
 1. **delta**: ``ProducerConfig(delta=True)`` and ``ShardsyncInitInfo(delta=True)``. Version 1 is the initial
    weights (dense: no worker holds a base); each later version is one optimizer step, trained here while the

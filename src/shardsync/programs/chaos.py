@@ -27,7 +27,7 @@ account but holds a mix), ``deadlocks`` (a sync that did not finish within its b
 of deaths, and rejoiners exact at their next sync.
 
 ``--vllm`` (``run_chaos_vllm``): the same with REAL vLLM engines. Producer processes (PP shares of a tiny
-checkpoint) serve vLLM replicas (``harness.vllm_engine``), each hosted in a child process of its own process group
+checkpoint) serve vLLM replicas (``harness.vllm_replica``), each hosted in a child process of its own process group
 (so a fault kills the whole engine: driver, engine core, workers — kill -9). Faults, drawn in turn:
 
 - ``engine_kill``: a replica is killed between syncs; the next sync completes on the survivor, exact;

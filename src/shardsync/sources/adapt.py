@@ -1,7 +1,7 @@
 """One adapter between vLLM's ``WeightSource`` and shardsync's: ``adapt(src)`` returns a shardsync source for
 either kind (shardsync's pass through unchanged), so ``Producer`` and the trainer backend take vLLM's own
 sources (its ``ModuleSource`` over an FSDP2 module included) unchanged. The other direction, a shardsync
-source handed to vLLM's backends, is ``integrations.vllm.sources.as_vllm_source``.
+source handed to vLLM's backends, is ``integrations.vllm.vllm_source.as_vllm_source``.
 
     producer = Producer(adapt(vllm_module_source), cfg)
 

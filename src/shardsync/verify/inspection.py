@@ -1,6 +1,6 @@
 """Inspection for tests and ``shardsync verify``: what a worker holds, written to a file, and two such files compared.
 
-    write_inspection(model, "/tmp/x/inspect_rank0.safetensors")   # every tensor and probe output (engine_state)
+    write_inspection(model, "/tmp/x/inspect_rank0.safetensors")   # every tensor and probe output (model_state)
     n, bad = compare_files(a_path, b_path)                          # keys compared, keys that differ
 
 A worker writes its file when the testing engine (``testing.engine``) gets ``{"inspect_to": dir}`` as init info.

@@ -5,7 +5,7 @@ fresh start does to the weights is vLLM's model loader: build the model from the
 its ``load_weights`` on the checkpoint, run ``process_weights_after_loading``. :func:`fresh_check` runs
 exactly that loader (``get_model_loader(load_config).load_model``) on the worker's own ``VllmConfig``
 with the model path pointed at ``checkpoint``, then compares every tensor and probe output
-(``engine_state.inspect_model``) of the live model with the freshly loaded one, byte for byte. The fresh
+(``model_state.inspect_model``) of the live model with the freshly loaded one, byte for byte. The fresh
 model's attention layers register in a scratch forward context (vLLM refuses a second layer of the same
 name), which is dropped with the model afterwards; the live engine is not touched.
 

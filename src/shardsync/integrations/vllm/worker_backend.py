@@ -11,7 +11,7 @@ Driver side, with vLLM's own RL API (or ``trainer_backend``, which sends the sam
 ``coordinator``/``token`` name producer 0's control server; each worker registers its plan with the producers
 and ``update_weights`` makes every worker pull its own slices from the producers that hold them, in parallel
 with the trainer ranks' ``Producer.sync(v)``. ``{"inspect_to": dir, "check_fresh": checkpoint}`` as init info
-instead compares what each worker holds with a fresh load of ``checkpoint`` (``fresh_load``; read-only).
+instead compares what each worker holds with a fresh load of ``checkpoint`` (``fresh_check``; read-only).
 
 At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
 ``load_weights`` (live weights untouched), checks it against the real loaders on random data

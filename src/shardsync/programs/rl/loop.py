@@ -8,7 +8,7 @@ version (vLLM's loader, in the engine's worker; a digest and every tensor) — e
 trusted. ``kill_engine_at``: one engine is killed (SIGKILL to its whole process group) after that step's
 rollouts; that step's sync completes on the survivor, the killed engine is restarted at once under its old name
 and rejoins at the next sync. Trainer ranks (``harness.fsdp_trainer.PolicyRank``) and engines
-(``harness.vllm_engine.VllmEngine``) are process hosts (``harness.hosts``): local processes, or Ray actors::
+(``harness.vllm_replica.VllmEngine``) are process hosts (``harness.hosts``): local processes, or Ray actors::
 
     loop = Loop(DemoConfig(steps=20, kill_engine_at=8), work); loop.start(progress)
     rec = run_step(loop, cfg, 1, rng, rejoining)          # one step's record; summarize(cfg, records, seconds)

@@ -131,7 +131,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "llama4", "deepseek", "gpt_oss", "qwen3_tied
 CANNOT_LOAD: dict[str, str] = {
     "qwen3_fp8_block": "CPU vLLM 0.32 builds no linear layer for a block-FP8 checkpoint: 'ValueError: Failed to find a "
                        "kernel that can implement the ScaledMM linear layer' at model init. On the GPU (vLLM 0.26, "
-                       "H200) the same checkpoint syncs exactly (tests/test_gpu_vllm.py, fp8-block).",
+                       "H200) the same checkpoint syncs exactly (tests/gpu/test_gpu_vllm.py, fp8-block).",
     "jamba": "vLLM builds the engine, but the first generate fails in the Mamba1 mixer "
              "(vllm/model_executor/layers/mamba/mamba_mixer.py). With mamba_d_conv=4 the bf16 conv1d weight "
              "is prepacked to 2-D on AVX512-BF16 CPUs (layers/utils.py dispatch_cpu_unquantized_gemm) and "

@@ -19,7 +19,7 @@ from shardsync.types import ParamMeta
 from shardsync.testing.zoo import ZooConfig
 
 pytestmark = pytest.mark.procs
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
 
 def test_chunks_keep_one_owner_and_the_bucket_cap() -> None:

@@ -4,7 +4,7 @@ An engine process stopped (SIGSTOP) past its lease and replaced by a new process
 *displaced*: once resumed — while its replacement lives, or after the replacement died — it does not rejoin (an
 undriven member would hold every later version up), says so once (one warning), its heartbeat stops, and its next
 ``sync`` raises ``ConsumerDisplaced``. A paused engine whose id nobody took still rejoins by itself
-(``tests/test_reliability.py``, fault "pause"). Pure membership rules first, then real processes.
+(``tests/engine_core/test_reliability.py``, fault "pause"). Pure membership rules first, then real processes.
 """
 
 from __future__ import annotations

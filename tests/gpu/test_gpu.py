@@ -17,7 +17,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.procs,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 TWO_GPUS = torch.cuda.device_count() >= 2
-BENCH = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
 
 def _transports() -> list[str]:

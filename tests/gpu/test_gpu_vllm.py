@@ -19,7 +19,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_vllm.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_vllm.py")
 TIMEOUT_S = 1200
 
 CASES = [  # (model, extra flags)

@@ -15,7 +15,7 @@ import pathlib
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "src" / "shardsync"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "src" / "shardsync"
 EXAMPLES = PKG.parents[1] / "examples"
 
 # wing -> wings (and outside packages) it must never import

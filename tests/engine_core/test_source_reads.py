@@ -1,7 +1,7 @@
 """Source reads: a consumer that maps its producer's memory scatters each group straight from the trainer's tensors
 (no pack pass, no ring slot), from the second sync on, for tensors that stay the same objects.
 
-The engine path is the one ``cuda_ipc`` takes on a GPU (``tests/test_gpu.py``, ``benchmarks/gpu_sync.py`` run it on
+The engine path is the one ``cuda_ipc`` takes on a GPU (``tests/gpu/test_gpu.py``, ``benchmarks/gpu_sync.py`` run it on
 the device); here the in-process ``loopback`` transport shares the CPU tensors: a real producer and consumers (threads),
 every sync compared byte for byte with the zoo's own loaders on the full tensors of that version.
 """

@@ -1,7 +1,7 @@
 """Delta sync through the engine (``ProducerConfig.delta``, ``Consumer(delta=True)``): real processes.
 
 Each version changes ~0.2 % of the zoo model's elements (``trainers.sparse_steps``); every sync is checked exact
-against the zoo's own loaders by ``LocalCluster.sync``. Plus the wire entry checks (``delta_recv.parse_offers``)
+against the zoo's own loaders by ``LocalCluster.sync``. Plus the wire entry checks (``delta.receiver.parse_offers``)
 and the held copy's versioning, in-process.
 """
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str) -> dict:

@@ -1,7 +1,7 @@
 """Direct reads: a consumer whose transport maps a producer's ring into its process copies each group straight from
 that ring into its parameters (no receive slot), and releases the ring slot only once the group is applied.
 
-The engine path is the same one ``cuda_ipc`` takes on a GPU (``tests/test_gpu.py`` runs that on the device); here
+The engine path is the same one ``cuda_ipc`` takes on a GPU (``tests/gpu/test_gpu.py`` runs that on the device); here
 the in-process ``loopback`` transport maps the ring on the CPU: a real producer and consumers (threads), every
 sync compared byte for byte with the zoo's own loaders.
 """
