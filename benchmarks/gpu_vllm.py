@@ -16,6 +16,8 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
     python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-channel  # compressed-tensors FP8 (channel scales)
     python benchmarks/gpu_vllm.py --model tiny --torn               # + a sync aborted mid-way, then healed
     python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
+    python benchmarks/gpu_vllm.py --model moe-bench --graphs --general --baseline --json
+        # 4 Qwen3-30B-A3B-shaped MoE layers (5.25 GB): the direct path, the general path (--no-direct), ipc, floor
 
 Memory (colocated, one GPU): the trainer's figures are its process's CUDA allocator (the ring shardsync packs into
 is allocated at ``trainer_init``; ``ipc`` exports the trainer's own tensors); the engine's are its worker's
@@ -101,8 +103,9 @@ def phase(args) -> dict:
     ckpt = args.ckpt
     base = {k: t.to("cuda:0") for k, t in load_state(ckpt).items()}
     t0 = time.perf_counter()
-    llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if args.phase == "shardsync"
-                                                                       else "ipc"), args.quant,
+    shard = args.phase in ("shardsync", "general")  # general: shardsync with every module on the general path
+    args.no_direct = args.no_direct or args.phase == "general"
+    llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if shard else "ipc"), args.quant,
                args.sleep and args.phase != "fresh")
     out: dict = {"phase": args.phase, "engine_start_s": round(time.perf_counter() - t0, 2)}
     if args.phase == "fresh":
@@ -113,15 +116,28 @@ def phase(args) -> dict:
     out["tokens_before"] = _tokens(llm)
     state = version_state(base, 0, CHANGED)
     out["bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    if shard:  # the copy floor: the trainer's tensors copied once into as many GPU bytes (best of 3)
+        dst = {k: torch.empty_like(t) for k, t in state.items()}
+        floor = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k, t in state.items():
+                dst[k].copy_(t)
+            torch.cuda.synchronize()
+            floor.append(time.perf_counter() - t0)
+        out["copy_floor_s"] = round(min(floor), 5)
+        del dst
     torch.cuda.synchronize()
     mem = {"trainer0": torch.cuda.memory_allocated(), "engine0": llm.collective_rpc(_mem)[0][0],
            "device0": _device_used()}
     torch.cuda.reset_peak_memory_stats()
     times = []
-    if args.phase == "shardsync":
+    if shard:
         source = _failing_source(state)
-        eng = _shardsync_trainer(llm, source, delta=args.delta is not None)
+        eng = _shardsync_trainer(llm, source, delta=args.delta is not None, direct=not args.no_direct)
         out["init_s"] = round(eng._init_s, 3)
+        out["direct_modules"], out["general_modules"] = llm.collective_rpc(_direct_counts)[0]
         send = eng.send_weights
     else:
         send = _ipc_sender(llm, state)
@@ -153,7 +169,7 @@ def phase(args) -> dict:
         times.append(round(time.perf_counter() - t0, 4))
         trainer_peak = max(trainer_peak, torch.cuda.max_memory_allocated())
     out["sync_s"] = times
-    if args.phase == "shardsync" and args.delta is not None:  # the last sync's delta counters, trainer and worker side
+    if shard and args.delta is not None:  # the last sync's delta counters, trainer and worker side
         out["delta"] = {k: v for k, v in eng.producer.stats.items() if k.startswith("delta_")}
         out["delta_worker"] = llm.collective_rpc(_wire)[0]
     eng_now, eng_peak = llm.collective_rpc(_mem)[0]
@@ -165,13 +181,13 @@ def phase(args) -> dict:
         "engine_after_syncs_extra_bytes": eng_now - mem["engine0"],
         "device_after_init_extra_bytes": mem["device_init"] - mem["device0"],
         "device_after_syncs_extra_bytes": _device_used() - mem["device0"]}
-    if args.torn and args.phase == "shardsync":
+    if args.torn and shard:
         out["torn"] = _torn_round(llm, send, source, step, args.syncs)
     after = llm.collective_rpc(_probe)[0]
     out["probe"] = after
     out["reallocated"] = sorted(k for k in after if k in before and after[k][1] != before[k][1])
     out["tokens"] = _tokens(llm)
-    if args.phase == "shardsync":
+    if shard:
         eng.shutdown()
     return out
 
@@ -225,16 +241,21 @@ def _wire(worker) -> dict:  # runs in the vLLM worker: what its consumer read in
     return worker.weight_transfer_engine._wire
 
 
+def _direct_counts(worker) -> list[int]:  # runs in the vLLM worker: modules written directly / on the general path
+    eng = worker.weight_transfer_engine
+    return [len(eng.direct), len(eng.not_direct)]
+
+
 def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its weight groups hold
     return worker.weight_transfer_engine.sync_state()
 
 
-def _shardsync_trainer(llm, source, delta: bool = False):
+def _shardsync_trainer(llm, source, delta: bool = False, direct: bool = True):
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0,
-                                    transport="auto", device="cuda:0", delta=delta)
+                                    transport="auto", device="cuda:0", delta=delta, direct_writes=direct)
     t0 = time.perf_counter()
     eng = compat.factory_trainer_init(info, client=llm, source=source)
     eng._init_s = time.perf_counter() - t0
@@ -270,6 +291,19 @@ def compare(a: dict, b: dict) -> list[str]:
     return sorted(k for k in keys if k not in a or k not in b or a[k][0] != b[k][0] or a[k][2:] != b[k][2:])
 
 
+def summary(res: dict) -> dict:
+    """Steady seconds a sync (the best after the first) per path, against the copy floor and vLLM's ipc."""
+    floor = res.get("shardsync", {}).get("copy_floor_s")
+    steady = {n: min(r["sync_s"][1:] or r["sync_s"]) for n in ("shardsync", "general", "ipc")
+              if (r := res.get(n)) and r.get("sync_s")}
+    out: dict = {"steady_sync_s": steady, "copy_floor_s": floor}
+    if floor:
+        out["x_copy_floor"] = {n: round(t / floor, 1) for n, t in steady.items()}
+    if "ipc" in steady:
+        out["ipc_over"] = {n: round(steady["ipc"] / t, 2) for n, t in steady.items() if n != "ipc"}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
@@ -284,8 +318,12 @@ def main() -> int:
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
     ap.add_argument("--delta", type=float, default=None, metavar="FRACTION",
                     help="delta sync (trainer and worker); from version 2 on each version changes this fraction")
+    ap.add_argument("--no-direct", action="store_true",
+                    help="every module on the general path (layerwise buffers + first-load processing)")
+    ap.add_argument("--general", action="store_true",
+                    help="also a shardsync phase with --no-direct, side by side with the direct path")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--phase", choices=("shardsync", "fresh", "ipc"), default=None)
+    ap.add_argument("--phase", choices=("shardsync", "general", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -313,12 +351,14 @@ def main() -> int:
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")
     res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
                  "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta}
-    phases = [("shardsync", ckpt), ("fresh", final)] + ([("ipc", ckpt)] if args.baseline else [])
+    phases = [("shardsync", ckpt), *([("general", ckpt)] if args.general else []), ("fresh", final),
+              *([("ipc", ckpt)] if args.baseline else [])]
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
                *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else []),
                *(["--torn"] if args.torn and name == "shardsync" else []),
+               *(["--no-direct"] if args.no_direct else []),
                *(["--delta", str(args.delta)] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
@@ -328,7 +368,7 @@ def main() -> int:
         with open(out) as f:
             res[name] = json.load(f)
     fresh = res.get("fresh", {})
-    for name in ("shardsync", "ipc"):
+    for name in ("shardsync", "general", "ipc"):
         r = res.get(name)
         if not r or "probe" not in r or "probe" not in fresh:
             continue
@@ -338,6 +378,7 @@ def main() -> int:
                  tokens_match=r["tokens"] == fresh["tokens"], exact=not mism and r["tokens"] == fresh["tokens"])
     if "probe" in fresh:
         fresh["tensors"] = len(fresh.pop("probe"))
+    res["summary"] = summary(res)
     line = json.dumps(res)
     print(line if args.json else json.dumps(res, indent=1))
     return 0 if res.get("shardsync", {}).get("exact") else 1

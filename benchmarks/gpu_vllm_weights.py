@@ -17,6 +17,10 @@ MODELS = {
                      num_key_value_heads=16, vocab_size=1024),
     "bench": dict(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=16,
                   num_key_value_heads=4, head_dim=128, vocab_size=32000),
+    # 4 Qwen3-30B-A3B-shaped layers: hidden 2048, 128 experts x 768, 8 routed per token, 32 query / 4 KV heads (5.25 GB)
+    "moe-bench": dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, vocab_size=32000),
 }
 
 

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_verify(args.model_dir, tp=args.tp, expert_parallel=args.expert_parallel, as_json=args.json,
                           validate=not args.no_validate, corrupt=args.self_test_corrupt, reference=args.reference,
-                          quantization=args.quantization)
+                          quantization=args.quantization, direct=not args.no_direct)
     with json_mode(getattr(args, "json", False)):
         return _run(args)
 
@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--reference", choices=["fresh", "none"], default="fresh",
                    help="fresh: compare with a second engine started on the new weights (default); none: sync only")
     v.add_argument("--no-validate", action="store_true", help="skip the init-time checks (loaders, processing)")
+    v.add_argument("--no-direct", action="store_true",
+                   help="every module on the general path (layerwise buffers + first-load processing), none written "
+                        "straight into its live tensors")
     v.add_argument("--quantization", default=None, help="vLLM's online quantisation of both engines (e.g. fp8)")
     v.add_argument("--self-test-corrupt", action="store_true", help=argparse.SUPPRESS)
     b = sub.add_parser("bench", help="shardsync vs broadcast baseline (and link SoL), side by side, on this machine")

@@ -117,3 +117,74 @@ def test_buffer_views_of_another_modules_parameter_are_found() -> None:
     (v,) = find_buffer_views(root)
     assert (v.holder, v.buffer, v.owner, v.param, v.offset, v.shape) == ("mixer", "conv_weights", "conv", "weight",
                                                                           0, (4, 3))
+
+
+# ---------------------------------------------------------------- direct writes (processor.check_direct)
+class ScalingMethod(PackingMethod):
+    """Identity on the weight, but keeps a plain value derived from it (a direct write would leave it stale)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.amax = float(layer.weight.float().abs().max())
+
+
+class IdentityMethod(PackingMethod):
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+def _direct_case(method: type, live_weight: torch.Tensor | None = None):
+    """A live layer processed once by ``method`` from its recorded first-load state, then what the check needs: the
+    checkpoint format on meta, new checkpoint bytes, and a first load of them (tensors, state)."""
+    live = make_layer()
+    live.quant_method = method()
+    if live_weight is not None:
+        live.weight = nn.Parameter(live_weight, requires_grad=False)
+    first = capture_state(live)
+    with torch.no_grad():
+        live.quant_method.process_weights_after_loading(live)
+    state, kernel = capture_state(live), TensorSnapshot.of(live)
+    ckpt = TensorSnapshot({"weight": torch.empty(3, 2, dtype=torch.bfloat16, device="meta"), "absent": None}, {}, set())
+    new = torch.tensor([[10, 11], [12, 13], [14, 15]], dtype=torch.bfloat16)
+    ref = make_layer()  # a first load of ``new``
+    ref.quant_method = method()
+    set_state(ref, first)
+    ref.weight.data.copy_(new)
+    with torch.no_grad():
+        ref.quant_method.process_weights_after_loading(ref)
+    t_ref = {n: t.detach().clone() for n, t in TensorSnapshot.of(ref).tensors().items()}
+    return live, ckpt, kernel, {"weight": new}, state, capture_state(ref), t_ref
+
+
+def test_direct_writes_are_taken_where_processing_is_the_identity_and_refused_elsewhere() -> None:
+    from shardsync.integrations.vllm.processor import check_direct
+
+    live, ckpt, kernel, inputs, state, st_ref, t_ref = _direct_case(IdentityMethod)
+    ok, why = check_direct(live, ckpt, kernel, inputs, state, st_ref, t_ref, None)
+    assert ok and why == ""
+    assert kernel.params["weight"][0, 0] == 0  # checked on clones: the live tensor is never written
+
+    live, ckpt, kernel, inputs, state, st_ref, t_ref = _direct_case(PackingMethod)  # processing flips the rows
+    assert check_direct(live, ckpt, kernel, inputs, state, st_ref, t_ref, None) == (
+        False, "processing changes ['weight']: the checkpoint bytes are not what the live tensors hold")
+
+    live, ckpt, kernel, inputs, state, st_ref, t_ref = _direct_case(ScalingMethod)  # a value derived from the weight
+    ok, why = check_direct(live, ckpt, kernel, inputs, state, st_ref, t_ref, None)
+    assert not ok and "attribute 'amax' is 15.0 after processing random data, 5.0 live" in why
+
+    transposed = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t()  # same shape, other strides
+    live, ckpt, kernel, inputs, state, st_ref, t_ref = _direct_case(IdentityMethod, transposed)
+    ok, why = check_direct(live, ckpt, kernel, inputs, state, st_ref, t_ref, None)
+    assert not ok and "live 'weight' is (3, 2) torch.bfloat16 strides (1, 3)" in why
+
+
+def test_layout_mismatch_names_a_missing_or_reshaped_live_tensor() -> None:
+    from shardsync.integrations.vllm.processor import layout_mismatch
+
+    meta = TensorSnapshot({"weight": torch.empty(4, 2, device="meta")}, {"bias": torch.empty(4, device="meta")}, set())
+    same = TensorSnapshot({"weight": torch.zeros(4, 2)}, {"bias": torch.zeros(4)}, set())
+    assert layout_mismatch(meta, same) == ""
+    assert layout_mismatch(meta, TensorSnapshot({"weight": torch.zeros(4, 2)}, {}, set())) == "no live tensor 'bias'"
+    packed = TensorSnapshot({"weight": torch.zeros(8)}, {"bias": torch.zeros(4)}, set())
+    assert "live 'weight' is (8,) torch.float32" in layout_mismatch(meta, packed)
+    offset = TensorSnapshot({"weight": torch.zeros(9)[1:].view(4, 2)}, {"bias": torch.zeros(4)}, set())
+    assert "offset 1" in layout_mismatch(meta, offset)

@@ -89,6 +89,14 @@ def test_synced_engine_equals_a_fresh_engine(ckpts, arch: str, tp: int, ep: bool
             r["processing"]
     if arch == "qwen3_tied":  # the LM head shares the embedding: re-processed with it (its packed copy refreshed)
         assert r["tied"] == {"lm_head": {"weight": "model.embed_tokens.weight"}}, r["tied"]
+        assert r["not_direct"] == {"tied to another module": ["model.embed_tokens"]}, r["not_direct"]
+    # direct writes: every family has modules whose processing is the identity (norms at least), written straight
+    # into the live tensors; CPU vLLM prepacks fused experts, so those stay on the general path (buffers + replay)
+    assert all(n > 0 for n in r["direct_modules_per_rank"]), r["not_direct"]
+    general = [m for ms in r["not_direct"].values() for m in ms]
+    assert len(general) == r["general_modules_per_rank"][0] or len(general) >= 64 * len(r["not_direct"])
+    if "UnquantizedFusedMoEMethod" in differs:
+        assert any(".experts" in m for m in general), r["not_direct"]
     full = r["full_model_bytes"]
     if tp == 1:
         assert r["bytes_received_per_rank"][0] <= 1.01 * full  # the whole model, plus alignment padding
@@ -101,6 +109,15 @@ def test_synced_engine_equals_a_fresh_engine(ckpts, arch: str, tp: int, ep: bool
     else:
         assert r["tokens_match"] is True and r["tokens_changed_by_sync"] is True
         assert r["dry_run_unchanged"] is True  # recording and validating did not touch live weights
+
+
+def test_general_path_alone_when_direct_writes_are_off(ckpts) -> None:
+    """``direct_writes=False``: every module through vLLM's layerwise buffers and the first-load replay; the same
+    bytes as a fresh engine (the path every kind the init check cannot prove takes)."""
+    rc, r, log = verify(ckpts("qwen3"), "--no-direct")
+    assert rc == 0 and r["exact"] is True and r["tokens_match"] is True, log[-6000:]
+    assert r["direct_modules_per_rank"] == [0] and r["general_modules_per_rank"][0] > 0
+    assert list(r["not_direct"]) == ["direct_writes=False"]
 
 
 def test_corrupted_byte_is_caught_by_the_fresh_reference(ckpts) -> None:

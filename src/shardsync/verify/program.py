@@ -26,7 +26,7 @@ from ..source import ModuleSource
 
 def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = True, seed: int = 1,
                   version: int = 1, corrupt: bool = False, reference: str = "fresh",
-                  result: dict | None = None, quantization: str | None = None) -> dict:
+                  result: dict | None = None, quantization: str | None = None, direct: bool = True) -> dict:
     """Run the verification on an already started engine. ``corrupt`` flips one byte of what rank 0
     receives (a self-test: the comparison must then fail). ``reference``: ``fresh`` (a second engine on
     the new weights) or ``none`` (sync only)."""
@@ -45,7 +45,8 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
         t0 = time.perf_counter()
         try:
             llm.init_weight_transfer_engine({"init_info": {"metadata": [m.to_dict() for m in metas],
-                                                           "plan_dir": plan_dir, "validate": validate}})
+                                                           "plan_dir": plan_dir, "validate": validate,
+                                                           "direct_writes": direct}})
         except Exception:
             if can_generate:  # a failed init must leave the live weights as they were
                 result["unchanged_after_failed_init"] = generate(llm) == tokens0
@@ -58,6 +59,9 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
         result["validated_tensors_per_rank"] = [i["validated_tensors"] for i in inits]
         result["processing"] = inits[0]["processing"]
         result["tied"] = inits[0]["tied"]
+        result["direct_modules_per_rank"] = [i["direct_modules"] for i in inits]
+        result["general_modules_per_rank"] = [i["general_modules"] for i in inits]
+        result["not_direct"] = inits[0]["not_direct"]
         by_name = {m.name: m for m in metas}
         result["fallback"] = [{"src": f.src, "dests": list(f.dests), "bytes": by_name[f.src].nbytes,
                                "reason": f.reason} for f in plans[0].fallback]
@@ -102,7 +106,7 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
 
 def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as_json: bool = False,
                validate: bool = True, corrupt: bool = False, reference: str = "fresh",
-               quantization: str | None = None) -> int:
+               quantization: str | None = None, direct: bool = True) -> int:
     cpu_env(tp)
     from vllm import LLM
 
@@ -113,7 +117,7 @@ def run_verify(model_dir: str, *, tp: int = 1, expert_parallel: bool = False, as
         llm = LLM(**engine_kwargs(model_dir, tp, expert_parallel,
                                   **({"quantization": quantization} if quantization else {})))
         verify_engine(llm, model_dir, tp=tp, ep=expert_parallel, validate=validate, corrupt=corrupt,
-                      reference=reference, result=result, quantization=quantization)
+                      reference=reference, result=result, quantization=quantization, direct=direct)
     except Exception as e:  # a clear message, not only vLLM's worker traceback
         result["error"] = worker_error(e)
         if os.environ.get("SHARDSYNC_DEBUG"):
@@ -148,6 +152,9 @@ def print_summary(r: dict) -> None:
     for i, b in enumerate(r.get("bytes_received_per_rank", [])):
         if full:
             print(f"  rank {i}: received {b / 1e6:.3f} MB ({b / full:.0%} of {full / 1e6:.3f} MB)", file=out)
+    if r.get("direct_modules_per_rank"):
+        print(f"  written directly into live tensors: {r['direct_modules_per_rank']} modules per rank; general path "
+              f"(buffers + first-load processing): {r['general_modules_per_rank']}", file=out)
     for k, rep in (r.get("processing") or {}).items():
         if rep.get("vllm_reload_differs") or rep.get("mode") != "inplace":
             print(f"  processing {k}: {rep['mode']}{'  (vLLM reload differs from a first load)' if rep.get('vllm_reload_differs') else ''}",

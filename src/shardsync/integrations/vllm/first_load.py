@@ -38,9 +38,10 @@ from torch import nn
 from ...errors import PlanError, SyncError
 
 __all__ = ["install_snapshot_hook", "FreshState", "TensorSnapshot", "fresh_state", "process_fresh", "probe",
-           "run_processing", "set_state", "capture_state", "default_dtype", "scratch_clone", "state_flags"]
+           "run_processing", "set_state", "capture_state", "default_dtype", "scratch_clone", "state_flags",
+           "TORCH_INTERNAL"]
 
-_TORCH_INTERNAL = frozenset(nn.Module().__dict__)
+TORCH_INTERNAL = frozenset(nn.Module().__dict__)
 _FRESH: "WeakKeyDictionary[nn.Module, FreshState]" = WeakKeyDictionary()
 
 
@@ -95,7 +96,7 @@ def _nested(roots: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any]]]:
 
 
 def capture_state(module: nn.Module) -> FreshState:
-    attrs = {k: _copy1(v) for k, v in module.__dict__.items() if k not in _TORCH_INTERNAL}
+    attrs = {k: _copy1(v) for k, v in module.__dict__.items() if k not in TORCH_INTERNAL}
     qm = getattr(module, "quant_method", None)
     qd = {k: _copy1(v) for k, v in vars(qm).items()} if qm is not None and hasattr(qm, "__dict__") else None
     return FreshState(attrs=attrs, qm=qd, nested=_nested([attrs, qd or {}]))
@@ -103,7 +104,7 @@ def capture_state(module: nn.Module) -> FreshState:
 
 def set_state(module: nn.Module, state: FreshState) -> None:
     """Make the module's non-tensor state exactly ``state`` (attributes added since are removed)."""
-    for k in [k for k in module.__dict__ if k not in _TORCH_INTERNAL and k not in state.attrs]:
+    for k in [k for k in module.__dict__ if k not in TORCH_INTERNAL and k not in state.attrs]:
         del module.__dict__[k]
     for k, v in state.attrs.items():
         module.__dict__[k] = _copy1(v)
@@ -201,7 +202,7 @@ def state_flags(module: nn.Module) -> list[str]:
     if st is None:
         return []
     return sorted({f"{p}{k}" for p, d in (("", st.attrs), ("qm.", st.qm or {}))
-                   for k, v in d.items() if v is True and k not in _TORCH_INTERNAL})
+                   for k, v in d.items() if v is True and k not in TORCH_INTERNAL})
 
 
 def fresh_state(module: nn.Module, name: str = "") -> FreshState:

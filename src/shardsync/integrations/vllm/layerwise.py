@@ -30,13 +30,13 @@ from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
-from .first_load import TensorSnapshot, fresh_state
+from .first_load import TensorSnapshot, buffer_views, fresh_state
 from .checkpoint_shapes import engine_checkpoint, refuse_foreign_shapes
 from .compat import is_deferred_attention_layer, no_mtp_completeness_check, skip_load_tensors
-from .processor import find_aliases, restore_live, validate_processing
+from .processor import find_aliases, kind_of, layout_mismatch, restore_live, validate_processing
 
-__all__ = ["record_vllm_plan", "validate_plan", "check_processing", "LayerApplier", "model_tensors", "vllm_context",
-           "refuse_rebind_under_cuda_graphs"]
+__all__ = ["record_vllm_plan", "validate_plan", "check_processing", "direct_modules", "begin_reload", "LayerApplier",
+           "model_tensors", "vllm_context", "refuse_rebind_under_cuda_graphs"]
 
 
 def _reload():
@@ -101,9 +101,10 @@ def group_modules(plan: Plan, g) -> set[str]:
 
 
 def check_processing(model: nn.Module, vllm_config, plan: Plan, *, rank: int,
-                     validate: bool = True) -> tuple[dict, dict]:
-    """Tied modules and, per layer kind, the processing mode (see processor.validate_processing).
-    Returns ``(aliases, {kind: KindReport})``; without ``validate`` no kind is checked (all rebind)."""
+                     validate: bool = True) -> tuple[dict, dict, dict[str, str]]:
+    """Tied modules, per layer kind the processing mode (see processor.validate_processing), and which written
+    modules a sync writes directly (``direct_modules``). Returns ``(aliases, {kind: KindReport}, {module: why
+    not direct, "" where direct})``; without ``validate`` no kind is checked (all rebind, none direct)."""
     written = written_modules(plan)
     try:
         for name in written:
@@ -112,15 +113,58 @@ def check_processing(model: nn.Module, vllm_config, plan: Plan, *, rank: int,
     except PlanError as e:
         raise PlanError(f"rank {rank}: {e}") from None
     if not validate:
-        return aliases, {}
+        return aliases, {}, {m: "not validated (validate=False)" for m in written}
     try:
         with vllm_context(vllm_config), checkpoint_format(model) as live:
             reports = validate_processing(model, [*written, *aliases], live, dtype=vllm_config.model_config.dtype)
+            direct = direct_modules(model, plan, aliases, reports, live)
     except (PlanError, SyncError) as e:
         raise PlanError(f"rank {rank}: processing check: {e}") from None
     except Exception as e:  # a layer's processing fails on random checkpoint-format data
         raise PlanError(f"rank {rank}: processing check failed: {type(e).__name__}: {e}") from e
-    return aliases, reports
+    return aliases, reports, direct
+
+
+def direct_modules(model: nn.Module, plan: Plan, aliases: dict, reports: dict, live: dict) -> dict[str, str]:
+    """For every module the plan writes: "" where a sync may scatter straight into its live tensors (no layerwise
+    buffer, no processing), else why not. Direct: its kind's check found first-load processing to be the identity
+    (``KindReport.direct``) — or it has no quant method (nothing processes it) — and its checkpoint-format tensors
+    have the live tensors' layout. Any doubt keeps the general path: tied modules and their partners, modules with
+    buffer views or written through a fallback loader, attention-like layers (re-processed at finalize)."""
+    tied = {*aliases, *(p for hits in aliases.values() for p, _ in hits.values())}
+    viewed = {x for v in buffer_views(model) for x in (v.owner, v.holder)}
+    fallback = {_module_of(d)[0] for f in plan.fallback for d in f.dests}
+    out: dict[str, str] = {}
+    for name in written_modules(plan):
+        layer = model.get_submodule(name)
+        if name in tied:
+            out[name] = "tied to another module"
+        elif name in viewed:
+            out[name] = "a buffer views its tensors"
+        elif name in fallback:
+            out[name] = "written by its real loader (fallback)"
+        elif is_deferred_attention_layer(layer):
+            out[name] = "attention-like: vLLM re-processes it at finalize"
+        elif getattr(layer, "quant_method", None) is not None:
+            rep = reports.get(kind_of(layer))
+            out[name] = "no processing check for its kind" if rep is None else "" if rep.direct else rep.direct_detail
+        else:
+            out[name] = layout_mismatch(TensorSnapshot.of(layer), live[layer])
+    return out
+
+
+def begin_reload(model: nn.Module, direct: Sequence[str] = ()) -> None:
+    """vLLM's ``initialize_layerwise_reload`` on every module but the ``direct`` ones, which keep their live tensors
+    (vLLM skips a layer whose reload is already set up: such a mark is put on them and taken off afterwards)."""
+    layerwise, _, _ = _reload()
+    marked = [layerwise.get_layerwise_info(model.get_submodule(m)) for m in direct]
+    for info in marked:
+        info.load_numel_total = 0
+    try:
+        layerwise.initialize_layerwise_reload(model)
+    finally:
+        for info in marked:
+            info.reset()
 
 
 def record_vllm_plan(model: nn.Module, vllm_config, metadata: Sequence[ParamMeta], *, rank: int,
@@ -276,16 +320,26 @@ class LayerApplier:
     """Per sync: materialise, scatter, process. Modules are processed as soon as the last group that
     writes them has been applied (a layer's processing does not wait for the end of the sync)."""
 
-    def __init__(self, model: nn.Module, plan: Plan):
+    def __init__(self, model: nn.Module, plan: Plan, direct: Sequence[str] = ()):
         self.model, self.plan = model, plan
+        self.direct = frozenset(direct)
+        """Modules written straight into their live tensors: never materialised, never processed."""
         last: dict[str, str] = {}
         for g in plan.groups:
             for mod in group_modules(plan, g):
-                last[mod] = g.name
+                if mod not in self.direct:
+                    last[mod] = g.name
         self.finishing: dict[str, list[str]] = defaultdict(list)
         for mod, gname in last.items():
             self.finishing[gname].append(mod)
         self.group_mods = {g.name: sorted(group_modules(plan, g)) for g in plan.groups}
+        self.live_tensors: dict[str, dict[str, torch.Tensor]] = {}
+        """A group's direct modules' live tensors by dotted name (the same tensors every sync: the unpacker's copy
+        programs are built once)."""
+        for g in plan.groups:
+            self.live_tensors[g.name] = {n: t for m in self.group_mods[g.name] if m in self.direct
+                                         for n, t in _own_tensors(model, m).items()}
+        self.staged = {g.name: [m for m in self.group_mods[g.name] if m not in self.direct] for g in plan.groups}
         # fallback tensors land whole in scratch buffers (allocated once) and go through the real loader
         dev = _device_of(model)
         self.scratch = {g.name: {s.dst: torch.empty(s.shape, dtype=dtype_of(s.dst_dtype), device=dev)
@@ -295,15 +349,13 @@ class LayerApplier:
 
     def apply(self, group: str, buf: torch.Tensor) -> None:
         layerwise, _, _ = _reload()
-        mods = self.group_mods[group]
-        for m in mods:
+        staged = self.staged[group]
+        for m in staged:
             layer = self.model.get_submodule(m)
             layerwise.materialize_layer(layer, layerwise.LAYERWISE_INFO[layer])
-        tensors = {}
-        for m in mods:
-            layer = self.model.get_submodule(m)
-            for n, t in list(layer.named_parameters(recurse=False)) + list(layer.named_buffers(recurse=False)):
-                tensors[f"{m}.{n}" if m else n] = t
+        tensors = dict(self.live_tensors[group])
+        for m in staged:
+            tensors.update(_own_tensors(self.model, m))
         scratch = self.scratch[group]
         self.unpackers[group].unpack(buf, {**tensors, **scratch})
         load_fallbacks(self.model.load_weights, scratch)
@@ -312,6 +364,12 @@ class LayerApplier:
             info = layerwise.LAYERWISE_INFO[layer]
             if info.can_load():
                 layerwise._layerwise_process(layer, info)
+
+
+def _own_tensors(model: nn.Module, m: str) -> dict[str, torch.Tensor]:
+    layer = model.get_submodule(m)
+    return {f"{m}.{n}" if m else n: t
+            for n, t in [*layer.named_parameters(recurse=False), *layer.named_buffers(recurse=False)]}
 
 
 def refuse_rebind_under_cuda_graphs(vllm_config, kinds: dict, plan, validated: bool, rank: int) -> None:

@@ -27,10 +27,11 @@ from torch import nn
 from ...errors import PlanError, SyncError
 from .compat import is_deferred_attention_layer
 from .model_state import weight_state_attrs
-from .first_load import (BufferView, TensorSnapshot, buffer_views, capture_state, probe, process_fresh, scratch_clone,
-                    set_state, state_flags)
+from .first_load import (TORCH_INTERNAL, BufferView, FreshState, TensorSnapshot, buffer_views, capture_state, probe, process_fresh,
+                         scratch_clone, set_state, state_flags)
 
-__all__ = ["FreshProcessor", "KindReport", "find_aliases", "kind_of", "restore_live", "validate_processing"]
+__all__ = ["FreshProcessor", "KindReport", "check_direct", "find_aliases", "kind_of", "layout_mismatch", "restore_live",
+           "state_mismatch", "validate_processing"]
 
 
 def kind_of(layer: nn.Module) -> str:
@@ -258,9 +259,53 @@ class KindReport:
     probed: bool
     """Kernel outputs on a probe input were compared (else tensors alone)."""
     detail: str = ""
+    direct: bool = False
+    """Writing the checkpoint-format bytes straight into the live tensors, with no processing at all, gives what a
+    first load gives (tensors, non-tensor state and probe outputs): a sync scatters into the live parameters, with
+    no layerwise buffers and no processing replay (``layerwise.direct_modules``)."""
+    direct_detail: str = ""
+    """Why not, where ``direct`` is False."""
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def layout_mismatch(checkpoint: TensorSnapshot, live: TensorSnapshot) -> str:
+    """Why the plan's writes into ``checkpoint``'s materialised (meta) tensors would not land identically in
+    ``live``'s tensors of the same names ("" where they would: same shape, dtype, strides, no storage offset)."""
+    have = live.tensors()
+    for n, t in checkpoint.tensors().items():
+        if not t.is_meta:
+            continue  # a tensor vLLM never reloads (an expert map) is the live one already
+        x = have.get(n)
+        if x is None or x.is_meta:
+            return f"no live tensor {n!r}"
+        if (x.shape, x.dtype, x.stride(), x.storage_offset()) != (t.shape, t.dtype, t.stride(), 0):
+            return (f"live {n!r} is {tuple(x.shape)} {x.dtype} strides {x.stride()} offset {x.storage_offset()}, "
+                    f"the checkpoint format {tuple(t.shape)} {t.dtype} strides {t.stride()}")
+    return ""
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _plain(v: Any) -> bool:
+    return isinstance(v, _PLAIN) or (type(v) in (tuple, list) and all(_plain(x) for x in v))
+
+
+def state_mismatch(a: FreshState, b: FreshState) -> str:
+    """Where two post-processing states differ in what processing may derive from the weights: attribute names
+    (the layer's and its quant method's) and plain values (numbers, strings, dtypes, tuples of them); tensors are
+    compared by bytes elsewhere and objects (kernels, configs) by neither; torch's module bookkeeping is left out.
+    "" where none differs."""
+    for where, x, y in (("", a.attrs, b.attrs), ("quant method ", a.qm or {}, b.qm or {})):
+        x, y = ({k: v for k, v in d.items() if k not in TORCH_INTERNAL} for d in (x, y))  # a quant method may be a
+        if set(x) != set(y):                                                                # module: train/eval mode
+            return f"{where}attributes {sorted(set(x) ^ set(y))} differ"
+        for k, v in x.items():
+            if _plain(v) and _plain(y[k]) and v != y[k]:
+                return f"{where}attribute {k!r} is {v!r} after processing random data, {y[k]!r} live"
+    return ""
 
 
 def _fill_random(layer: nn.Module, g: torch.Generator, names: set[str]) -> dict[str, torch.Tensor]:
@@ -307,6 +352,32 @@ def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_direct(layer: nn.Module, checkpoint: TensorSnapshot, live: TensorSnapshot, inputs: dict[str, torch.Tensor],
+                  state: FreshState, st_ref: FreshState, t_ref: dict[str, torch.Tensor],
+                  y_ref: list[torch.Tensor] | None) -> tuple[bool, str]:
+    """Whether ``inputs`` (checkpoint-format bytes, materialised on ``layer``) written straight into (clones of) the
+    live tensors, the live non-tensor state kept and nothing processed, equal a first load of them: the same
+    tensors, the same plain state and the same probe outputs. ``(ok, why not)``; the layer is left on the clones."""
+    why = layout_mismatch(checkpoint, live) or state_mismatch(st_ref, state)
+    if why:
+        return False, why
+    direct = live.scratch()
+    targets = direct.tensors()
+    for n, t in inputs.items():
+        targets[n].data.copy_(t)
+    direct.place(layer)
+    set_state(layer, state)
+    t_d, y_d = _tensors(layer), _probe(layer)
+    if set(t_d) != set(t_ref):
+        return False, f"a first load gives tensors {sorted(set(t_ref) ^ set(t_d))} the live layer lacks or has extra"
+    bad = [n for n in t_d if not _same([t_d[n]], [t_ref[n]])]
+    if bad:
+        return False, f"processing changes {bad[:4]}: the checkpoint bytes are not what the live tensors hold"
+    if not _same(y_d, y_ref):
+        return False, "the live kernels compute other outputs from the checkpoint bytes than a first load's"
+    return True, ""
+
+
 def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.Module, TensorSnapshot], *,
                         dtype: torch.dtype, seed: int = 4321) -> dict[str, KindReport]:
     """One check per layer kind among ``modules`` (which must be in checkpoint format on meta, inside
@@ -345,7 +416,11 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
             inputs = load()
             ref = live[layer].scratch()
             process_fresh(layer, kernel=ref, mode="rebind", dtype=dtype, name=name)
-            t_ref, y_ref = _tensors(layer), _probe(layer)
+            t_ref, y_ref, st_ref = _tensors(layer), _probe(layer), capture_state(layer)
+            set_state(layer, state)
+
+            load(inputs)
+            direct, direct_detail = check_direct(layer, on_meta, live[layer], inputs, state, st_ref, t_ref, y_ref)
             set_state(layer, state)
 
             load(inputs)
@@ -377,7 +452,8 @@ def validate_processing(model: nn.Module, modules: Sequence[str], live: dict[nn.
             except Exception as e:  # vLLM's reload path fails outright on this kind
                 differs, detail = True, (detail + "; " if detail else "") + f"vLLM reload fails: {type(e).__name__}: {e}"
             out[kind] = KindReport(kind=kind, module=name, mode="inplace" if inplace_ok else "rebind",
-                                   vllm_reload_differs=differs, probed=y_ref is not None, detail=detail)
+                                   vllm_reload_differs=differs, probed=y_ref is not None, detail=detail,
+                                   direct=direct, direct_detail=direct_detail)
         finally:
             set_state(layer, state)
             on_meta.place(layer)

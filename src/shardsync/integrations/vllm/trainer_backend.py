@@ -80,6 +80,9 @@ class ShardsyncTrainerInitInfo(TrainerInitInfo, GroupSettings):
     """Each inference worker's receive-buffer budget (sent to the workers)."""
     validate: bool = True
     """Workers check their recorded plan against vLLM's loaders at init."""
+    direct_writes: bool = True
+    """Workers write the modules whose processing their init check proves to be the identity straight into the live
+    tensors (``ShardsyncInitInfo.direct_writes``)."""
     status_dir: str = ""
     """Where every worker writes its ``status_rank{R}.json`` (and plan / init files), on the engines' machines; kept
     after they stop. Empty: each engine's own folder, ``{tempdir}/shardsync-vllm/pid{P}`` (P: the pid of ``vllm
@@ -119,7 +122,7 @@ def worker_init_info(info: ShardsyncTrainerInitInfo, *, coordinator: Any, token:
     """What every worker's ``init_weight_transfer_engine`` gets (``ShardsyncInitInfo``): the group's settings as the
     trainer runs them, with its token, and where and whose the group is."""
     return {**settings_of(info).to_dict(), "token": token, "coordinator": list(coordinator),
-            "validate": info.validate, "recv_budget_bytes": info.recv_budget_bytes, "session": session,
+            "validate": info.validate, "direct_writes": info.direct_writes, "recv_budget_bytes": info.recv_budget_bytes, "session": session,
             "start_version": start_version, **({"plan_dir": info.status_dir} if info.status_dir else {})}
 
 

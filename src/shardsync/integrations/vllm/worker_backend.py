@@ -16,9 +16,11 @@ instead compares what each worker holds with a fresh load of ``checkpoint`` (``f
 At ``init_transfer_engine`` each worker records its plan by a dry run of the model's own
 ``load_weights`` (live weights untouched), checks it against the real loaders on random data
 (``validate``), checks each layer kind's processing against a first load (``processor``), and writes
-the plan as JSON. A sync writes each received group's slices into vLLM's layerwise buffers and, as soon
-as a layer is complete, replays the layer's FIRST-LOAD processing (``fresh``), so that the engine holds
-what a fresh engine loaded from the same weights holds.
+the plan as JSON. A sync writes each received group's slices straight into the live tensors of the modules
+whose first-load processing the init check proved to be the identity (``layerwise.direct_modules``: on a GPU, an
+unquantized model's every layer), and into vLLM's layerwise buffers for the others, whose FIRST-LOAD processing
+(``first_load``) is replayed as soon as a layer is complete, so that the engine holds what a fresh engine loaded
+from the same weights holds.
 
 Torn updates (fail closed): an update that stops half-way (``update_weights`` raising after some groups were
 applied, groups missing at ``finish_weight_update``, a shutdown mid-update) leaves this rank TORN. Each rank tracks
@@ -56,8 +58,8 @@ from .plugin import require_plugin
 from .fresh_check import fresh_check
 from .guard import HeldVersions
 from .ownership import STALE_MARK, Owner, StaleSessionError, wait_owner_gone
-from .layerwise import (LayerApplier, check_processing, record_vllm_plan, refuse_rebind_under_cuda_graphs,
-                        validate_plan, vllm_context)
+from .layerwise import (LayerApplier, begin_reload, check_processing, record_vllm_plan,
+                        refuse_rebind_under_cuda_graphs, validate_plan, vllm_context)
 from .processor import FreshProcessor
 
 log = logging.getLogger("shardsync.vllm")
@@ -83,6 +85,10 @@ class ShardsyncInitInfo(WeightTransferInitInfo, GroupSettings):
     coordinator: list[Any] | None = None
     """Address [host, port] of producer 0's control server. Workers learn the metadata from it, register
     their plans, and pull every sync from the producers (no data through the driver)."""
+    direct_writes: bool = True
+    """Write the modules whose first-load processing the init check proves to be the identity (``KindReport.direct``,
+    ``layerwise.direct_modules``) straight into their live tensors: no layerwise buffer, no processing replay. Off:
+    every module takes the general path (buffers, then first-load processing)."""
     recv_device: str = "auto"
     """Where the receive slots live. ``auto``: the worker's GPU when it has one and the transport moves
     GPU memory (anything but ``tcp``), else host memory; ``cpu``; or a device such as ``cuda:0``."""
@@ -166,6 +172,10 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.consumer = None
         self.applier: LayerApplier | None = None
         self.processor: FreshProcessor | None = None
+        self.direct: list[str] = []
+        """Modules a sync writes straight into their live tensors (``layerwise.direct_modules``)."""
+        self.not_direct: dict[str, str] = {}
+        """The other written modules (layerwise buffers + first-load processing), each with why."""
         self.held = HeldVersions()
         """Which version each weight group holds: torn or not, and the last complete version."""
         self.plan_dir = ""
@@ -214,10 +224,14 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if owner is not None:
             self.owner, self._floor = owner, init_info.start_version
         metas, record_s, checked = found["metas"], found["record_s"], found["checked"]
-        aliases, kinds = found["processing"]
+        aliases, kinds, direct = found["processing"]
+        if not init_info.direct_writes:
+            direct = {m: "direct_writes=False" for m in direct}
         self.processor = FreshProcessor(self.model, dtype=self.model_config.dtype, aliases=aliases,
                                         modes={k: r.mode for k, r in kinds.items()})
-        self.applier = LayerApplier(self.model, self.plan)
+        self.direct = sorted(m for m, why in direct.items() if not why)
+        self.not_direct = {m: why for m, why in direct.items() if why}
+        self.applier = LayerApplier(self.model, self.plan, direct=self.direct)
         self.held.set_groups(g.name for g in self.plan.groups)  # a re-init keeps what each group holds
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
@@ -228,6 +242,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             "record_s": record_s, "init_s": time.perf_counter() - t0, "validated_tensors": checked,
             "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded),
             "processing": {k: r.to_dict() for k, r in kinds.items()},
+            "direct_modules": len(self.direct), "general_modules": len(self.not_direct),
+            "not_direct": _why_not(self.not_direct),
             "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
         self._write_status({"op": "init", "missing_groups": []})
 
@@ -263,15 +279,13 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
     # ---------------------------------------------------------------- update lifecycle
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         if self.applier is None or self.processor is None:
             raise SyncError(f"rank {self.rank}: start_weight_update before init_weight_transfer_engine")
         if self._started:
             raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
         self.processor.begin()  # exact live tensor slots, and vLLM's per-layer processing -> first-load replay
         try:
-            initialize_layerwise_reload(self.model)
+            begin_reload(self.model, self.direct)  # direct modules keep their live tensors
         except BaseException:
             self.processor.end()
             raise
@@ -356,6 +370,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             self._floor = None  # complete: later versions must be newer than this one
         self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
                             "processed_modules": len(self.processor.processed),
+                            "direct_modules": len(self.direct),
                             "rebound_modules": len(self.processor.rebound),
                             # what crossed the wire (with delta sync: payloads + dense reads), and the delta counters
                             "wire": self._wire})
@@ -426,6 +441,15 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.processor = None
         self.plan = None
         self.owner, self._floor = None, None
+
+
+def _why_not(direct: dict[str, str], most: int = 64) -> dict[str, list[str]]:
+    """Modules not written directly, by reason (at most ``most`` names per reason)."""
+    out: dict[str, list[str]] = {}
+    for m, why in sorted(direct.items()):
+        if len(out.setdefault(why[:200], [])) < most:
+            out[why[:200]].append(m)
+    return out
 
 
 def _close_bounded(consumer: Any, *, goodbye: bool, rank: int, bound_s: float = SHUTDOWN_BOUND_S) -> bool:
