@@ -13,6 +13,9 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
     python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
     python benchmarks/gpu_vllm.py --model tiny-mla --quant fp8      # DeepSeek-V3-style MLA + MoE, FP8 online
     python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-block  # a block-FP8 checkpoint (128x128 scales)
+    python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-block --trainer bf16
+        # a bf16 trainer into that engine: BlockFP8Source quantises on the trainer; the fresh engine starts on the
+        # same bf16 weights quantised by the same function (verify.checkpoints.to_block_fp8)
     python benchmarks/gpu_vllm.py --model tiny --checkpoint fp8-channel  # compressed-tensors FP8 (channel scales)
     python benchmarks/gpu_vllm.py --model tiny --torn               # + a sync aborted mid-way, then healed
     python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
@@ -101,7 +104,7 @@ def phase(args) -> dict:
     import torch
 
     ckpt = args.ckpt
-    base = {k: t.to("cuda:0") for k, t in load_state(ckpt).items()}
+    base = {k: t.to("cuda:0") for k, t in load_state(args.trainer_ckpt or ckpt).items()}
     t0 = time.perf_counter()
     shard = args.phase in ("shardsync", "general")  # general: shardsync with every module on the general path
     args.no_direct = args.no_direct or args.phase == "general"
@@ -135,7 +138,12 @@ def phase(args) -> dict:
     times = []
     if shard:
         source = _failing_source(state)
-        eng = _shardsync_trainer(llm, source, delta=args.delta is not None, direct=not args.no_direct)
+        served = source
+        if args.trainer_ckpt:  # a bf16 trainer into the block-FP8 engine: quantised on the trainer, per group
+            from shardsync import BlockFP8Source
+
+            served = BlockFP8Source.for_checkpoint(source, ckpt)
+        eng = _shardsync_trainer(llm, served, delta=args.delta is not None, direct=not args.no_direct)
         out["init_s"] = round(eng._init_s, 3)
         out["direct_modules"], out["general_modules"] = llm.collective_rpc(_direct_counts)[0]
         send = eng.send_weights
@@ -314,6 +322,10 @@ def main() -> int:
     ap.add_argument("--checkpoint", choices=("bf16", "fp8-block", "fp8-channel"), default="bf16",
                     help="the checkpoint's format (fp8-block: 128x128 block scales, as DeepSeek-V3 ships; "
                          "fp8-channel: compressed-tensors FP8, per-channel weight scales, dynamic activations)")
+    ap.add_argument("--trainer", choices=("same", "bf16"), default="same",
+                    help="bf16 (with --checkpoint fp8-block): the trainer holds the bf16 weights, the engine serves "
+                         "their block-FP8 quantisation")
+    ap.add_argument("--trainer-ckpt", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--torn", action="store_true", help="then a sync aborted mid-way, then a complete one")
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
     ap.add_argument("--delta", type=float, default=None, metavar="FRACTION",
@@ -335,30 +347,45 @@ def main() -> int:
             json.dump(r, f)
         return 0
     work = tempfile.mkdtemp(prefix="gpu-vllm-")
+    if args.trainer == "bf16" and (args.checkpoint != "fp8-block" or args.delta is not None):
+        ap.error("--trainer bf16 needs --checkpoint fp8-block (and no --delta)")
     ckpt = build_checkpoint(args.model, os.path.join(work, "v0"))
-    if args.checkpoint == "fp8-block":
+    final = os.path.join(work, f"v{args.syncs}")
+    trainer_ckpt = None
+    if args.trainer == "bf16":  # the versions are the bf16 trainer's; each checkpoint the engine reads is quantised
+        import shutil
+
         from shardsync.verify.checkpoints import to_block_fp8
 
+        trainer_ckpt = os.path.join(work, "v0-bf16")
+        shutil.copytree(ckpt, trainer_ckpt)
+        save_version(trainer_ckpt, final, args.syncs, CHANGED)
         to_block_fp8(ckpt)
-    if args.checkpoint == "fp8-channel":
-        from shardsync.verify.checkpoints import to_channel_fp8
+        to_block_fp8(final)
+    else:
+        if args.checkpoint == "fp8-block":
+            from shardsync.verify.checkpoints import to_block_fp8
 
-        to_channel_fp8(ckpt)
-    final = os.path.join(work, f"v{args.syncs}")
-    save_version(ckpt, final, args.syncs, CHANGED)
+            to_block_fp8(ckpt)
+        if args.checkpoint == "fp8-channel":
+            from shardsync.verify.checkpoints import to_channel_fp8
+
+            to_channel_fp8(ckpt)
+        save_version(ckpt, final, args.syncs, CHANGED)
     env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     if args.checkpoint == "fp8-block":  # the slimmed vLLM on the device lacks DeepGEMM's JIT headers: CUTLASS/Triton
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")
     res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
-                 "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta}
+                 "trainer": args.trainer, "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta}
     phases = [("shardsync", ckpt), *([("general", ckpt)] if args.general else []), ("fresh", final),
-              *([("ipc", ckpt)] if args.baseline else [])]
+              *([("ipc", ckpt)] if args.baseline and not trainer_ckpt else [])]  # ipc sends what the trainer holds
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
         cmd = [sys.executable, __file__, "--phase", name, "--ckpt", path, "--out", out, "--syncs", str(args.syncs),
                *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else []),
                *(["--torn"] if args.torn and name == "shardsync" else []),
                *(["--no-direct"] if args.no_direct else []),
+               *(["--trainer-ckpt", trainer_ckpt] if trainer_ckpt and name != "fresh" else []),
                *(["--delta", str(args.delta)] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)

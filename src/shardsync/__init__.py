@@ -46,11 +46,12 @@ if TYPE_CHECKING:  # the lazy names, for type checkers and readers
     from .integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
     from .sources.fsdp import FSDPSource
     from .sources.megatron import MegatronConfig, MegatronParallel, MegatronSource
+    from .sources.quantize import BlockFP8Source
 
 __all__ = [
     # trainer side
     "WeightSource", "ModuleSource", "FSDPSource", "MegatronSource", "MegatronConfig", "MegatronParallel",
-    "Producer", "ProducerConfig",
+    "BlockFP8Source", "Producer", "ProducerConfig",
     # inference side
     "Consumer", "ShardsyncTrainerInitInfo",
     # the group-wide settings every surface embeds
@@ -74,6 +75,8 @@ def __getattr__(name: str) -> Any:
         from .sources import fsdp as mod                            # torch.distributed.tensor
     elif name in ("MegatronSource", "MegatronConfig", "MegatronParallel"):
         from .sources import megatron as mod
+    elif name == "BlockFP8Source":
+        from .sources import quantize as mod
     elif name == "ShardsyncTrainerInitInfo":
         from .integrations.vllm import trainer_backend as mod       # imports vllm; registers the "shardsync" backend
     else:

@@ -28,6 +28,7 @@ CASES = [  # (model, extra flags)
     ("tiny-mla", []),                         # DeepSeek-V3-style MLA (W_UK_T / W_UV from kv_b_proj) + MoE
     ("tiny", ["--quant", "fp8"]),             # FP8 online quantisation of a bf16 checkpoint
     ("tiny", ["--checkpoint", "fp8-block"]),  # a block-FP8 checkpoint (128x128 weight_scale_inv)
+    ("tiny", ["--checkpoint", "fp8-block", "--trainer", "bf16"]),  # a bf16 trainer into that engine (BlockFP8Source)
     ("tiny", ["--checkpoint", "fp8-channel"]),  # compressed-tensors FP8: per-channel weight_scale, dynamic acts
     ("tiny-moe", ["--delta", "0.01", "--torn"]),  # delta sync (1 % changed a version); a torn sync healed dense
     ("tiny", ["--graphs", "--no-direct"]),     # the general path (layerwise buffers + first-load processing)
@@ -86,6 +87,8 @@ def test_synced_gpu_engine_equals_a_fresh_gpu_engine(runs, model: str, flags: li
         d, w = s["delta"], s["delta_worker"]
         assert d["delta_offered"] > 0 and w["delta_chunks"] > 0 and w["delta_heals"] == 0, (d, w)
         assert 0 < w["bytes_received"] * 4 < s["bytes"], (w, s["bytes"])
+    if "--trainer" in flags:  # the trainer held bf16; the engine's checkpoint and the fresh engine's are block FP8
+        assert r["trainer"] == "bf16" and s["tensors_compared"] > 0, r
     if "--no-direct" in flags:
         assert s["direct_modules"] == 0 and s["general_modules"] > 0, s
     elif "--quant" not in flags and "--checkpoint" not in flags:  # bf16 on a GPU: processing is the identity for

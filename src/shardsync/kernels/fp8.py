@@ -26,11 +26,9 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def quantize_fp8_blocks_torch(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     k = w.shape[-1]
-    x = w.reshape(-1, k).float().view(-1, BLOCK, k // BLOCK, BLOCK)
-    amax = x.abs().amax(dim=(1, 3)).clamp_min(1e-12)
-    scale = amax / FP8_MAX
-    s.copy_(scale)
-    q.view(-1, k).copy_((x / scale[:, None, :, None]).view(-1, k).to(torch.float8_e4m3fn))
+    q2, s2 = block_fp8(w.reshape(-1, k))
+    s.copy_(s2)
+    q.view(-1, k).copy_(q2)
 
 
 _kernel = None
@@ -69,3 +67,25 @@ def quantize_fp8_blocks(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> No
         return
     kern = _triton_kernel()
     kern[(rows // BLOCK, k // BLOCK)](w, q, s, k, k // BLOCK, BLOCK_=BLOCK, num_warps=8)
+
+
+def block_fp8(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 2-D weight as DeepSeek-V3-style block FP8: ``(q, scale_inv)`` with ``q`` float8_e4m3fn of ``w``'s shape and
+    ``scale_inv`` float32 ``[ceil(rows/bn), ceil(cols/bm)]`` (the dequantisation factor: ``w ≈ q * scale_inv`` per
+    tile; edge tiles are partial). Plain torch arithmetic (IEEE division, round-to-nearest-even casts), so the bytes
+    are the same on every device: a trainer quantising its bf16 weights and a checkpoint quantised offline by this
+    function hold the same bytes."""
+    if w.dim() != 2:
+        raise ValueError(f"block FP8 quantises 2-D weights, got shape {tuple(w.shape)}")
+    n, m = w.shape
+    bn, bm = block
+    rn, rm = -(-n // bn), -(-m // bm)
+    x = w.float()
+    if rn * bn != n or rm * bm != m:  # partial edge tiles: zeros do not change a tile's amax
+        x = torch.nn.functional.pad(x, (0, rm * bm - m, 0, rn * bn - n))
+    tiles = x.view(rn, bn, rm, bm)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rn * bn, rm * bm)
+    if rn * bn != n or rm * bm != m:
+        q = q[:n, :m]
+    return q.contiguous(), scale.contiguous()

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from ..kernels.fp8 import block_fp8
+
 ARCHS = ("qwen3", "qwen3_moe", "qwen2", "mixtral", "phi3", "llama")
 
 _COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -84,17 +86,11 @@ FP8_BLOCK = 128
 def to_block_fp8(ckpt: str, *, block: int = FP8_BLOCK) -> str:
     """Rewrite a bf16 checkpoint in place as DeepSeek-V3-style block FP8: every 2-D linear weight of the decoder
     layers (routers excluded) becomes ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per ``block`` x
-    ``block`` tile; ``config.json`` gets the matching ``quantization_config``."""
-    fmax = torch.finfo(torch.float8_e4m3fn).max
-
+    ``block`` tile (partial edge tiles, as DeepSeek-V3's own checkpoints have; ``kernels.fp8.block_fp8``, the
+    function a bf16 trainer's ``BlockFP8Source`` runs); ``config.json`` gets the matching ``quantization_config``."""
     def quantize(k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-        n, m = t.shape
-        if n % block or m % block:
-            raise ValueError(f"{k}: shape {list(t.shape)} is not a multiple of the {block}x{block} FP8 block")
-        tiles = t.float().reshape(n // block, block, m // block, block)
-        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fmax
-        return {k: (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, m),
-                k[: -len("weight")] + "weight_scale_inv": scale.float().contiguous()}
+        q, scale_inv = block_fp8(t, (block, block))
+        return {k: q, k[: -len("weight")] + "weight_scale_inv": scale_inv}
 
     return quantize_checkpoint(ckpt, quantize, {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                                 "weight_block_size": [block, block]})
