@@ -84,7 +84,9 @@ def block_fp8(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple
     if rn * bn != n or rm * bm != m:  # partial edge tiles: zeros do not change a tile's amax
         x = torch.nn.functional.pad(x, (0, rm * bm - m, 0, rn * bn - n))
     tiles = x.view(rn, bn, rm, bm)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (last bits differ from CPU)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(rn * bn, rm * bm)
     if rn * bn != n or rm * bm != m:
         q = q[:n, :m]
