@@ -1,11 +1,12 @@
-"""Delta codec speed (``shardsync.delta.codec``): encode and decode GB/s of dense chunk bytes at 1 / 5 / 20 % of
+"""Delta codec speed (``shardsync.delta.codec``): encode and decode GB/s of dense chunk bytes at 0.1 / 1 / 5 % of
 the 16-bit words changed, beside a plain copy of the same bytes on the same device. CUDA when available, else CPU.
 
     python benchmarks/delta_codec.py --json                      # CPU: 4 chunks of 64 MiB
     python benchmarks/delta_codec.py --chunks 16 --json          # on the GPU machine: 1 GiB in 64 MiB chunks
 
-A codec micro-benchmark (no engine, no transport): it times ``encode(new, old)`` (find the changed words, build the
-payload) and ``decode_(held, enc)`` (validate, apply in place) per chunk, every result checked byte for byte.
+A codec micro-benchmark (no engine, no transport): it times ``encode(new, old, checksum=True)`` (find the changed
+words, build the payload, checksum the new bytes: the word hash on a GPU, xxh3 on the host) and ``decode_(held, enc)``
+then ``verify`` (validate, apply in place, check the checksum) per chunk, every result checked byte for byte.
 GB/s = dense chunk bytes / seconds (encode reads twice that: the new and the old chunk). Prints a table, or one JSON
 line with ``--json``.
 """
@@ -65,7 +66,7 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             w[m] ^= 1  # one ulp of a bf16: what a small optimizer step does to a changed element
             news.append(w.view(torch.uint8))
         encs: list = []
-        enc_s = _timed(lambda: encs.__setitem__(slice(None), [codec.encode(n, o, base=0)
+        enc_s = _timed(lambda: encs.__setitem__(slice(None), [codec.encode(n, o, base=0, checksum=True)
                                                                for n, o in zip(news, olds)]), dev, reps)
 
         def dec() -> None:
@@ -79,6 +80,7 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             t = time.perf_counter()
             for h, e in zip(held, encs):
                 codec.decode_(h, e, base=0)
+                codec.verify(h, e.header)  # the held bytes against the producer's checksum, as a consumer does
             _sync(dev)
             dec_times.append(time.perf_counter() - t)
         exact = all(torch.equal(h, n) for h, n in zip(held, news))
@@ -88,7 +90,11 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             "changed_fraction": round(changed, 5), "kinds": sorted({e.header.kind for e in encs}),
             "encode_gbps": round(total / enc_s / 1e9, 3), "decode_gbps": round(total / statistics.median(dec_times[1:]) / 1e9, 3),
             "encode_ms_per_chunk": round(enc_s / chunks * 1e3, 3), "wire_bytes": wire,
-            "bytes_ratio": round(total / wire, 2), "exact": exact}
+            "bytes_ratio": round(total / wire, 2), "exact": exact,
+            "encode_decode_gbps": round(total / (enc_s + statistics.median(dec_times[1:])) / 1e9, 3)}
+    hash_s = _timed(lambda: [codec.checksum_of(o, codec.hash_for(o)) for o in olds], dev, reps)
+    out["checksum"] = {"hash": "word" if codec.hash_for(olds[0]) == codec.WORD else "xxh3",
+                       "gbps": round(total / hash_s / 1e9, 2)}
     return out
 
 
@@ -96,7 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--chunk-mib", type=int, default=64)
-    ap.add_argument("--fractions", default="0.01,0.05,0.2")
+    ap.add_argument("--fractions", default="0.001,0.01,0.05")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", action="store_true")

@@ -143,7 +143,8 @@ def phase(args) -> dict:
             from shardsync import BlockFP8Source
 
             served = BlockFP8Source.for_checkpoint(source, ckpt)
-        eng = _shardsync_trainer(llm, served, delta=args.delta is not None, direct=not args.no_direct)
+        delta = False if args.delta is None else ("always" if args.delta_mode == "always" else True)
+        eng = _shardsync_trainer(llm, served, delta=delta, direct=not args.no_direct)
         out["init_s"] = round(eng._init_s, 3)
         out["direct_modules"], out["general_modules"] = llm.collective_rpc(_direct_counts)[0]
         send = eng.send_weights
@@ -258,7 +259,7 @@ def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its 
     return worker.weight_transfer_engine.sync_state()
 
 
-def _shardsync_trainer(llm, source, delta: bool = False, direct: bool = True):
+def _shardsync_trainer(llm, source, delta: bool | str = False, direct: bool = True):
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
@@ -330,6 +331,9 @@ def main() -> int:
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
     ap.add_argument("--delta", type=float, default=None, metavar="FRACTION",
                     help="delta sync (trainer and worker); from version 2 on each version changes this fraction")
+    ap.add_argument("--delta-mode", choices=("auto", "always"), default="auto",
+                    help="auto: delta where it pays (a colocated worker mapping the trainer's memory reads dense); "
+                         "always: the worker reads deltas whatever the link (the GPU codec end to end)")
     ap.add_argument("--no-direct", action="store_true",
                     help="every module on the general path (layerwise buffers + first-load processing)")
     ap.add_argument("--general", action="store_true",
@@ -376,7 +380,8 @@ def main() -> int:
     if args.checkpoint == "fp8-block":  # the slimmed vLLM on the device lacks DeepGEMM's JIT headers: CUTLASS/Triton
         env.setdefault("VLLM_USE_DEEP_GEMM", "0")
     res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
-                 "trainer": args.trainer, "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta}
+                 "trainer": args.trainer, "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta,
+                 "delta_mode": args.delta_mode if args.delta is not None else None}
     phases = [("shardsync", ckpt), *([("general", ckpt)] if args.general else []), ("fresh", final),
               *([("ipc", ckpt)] if args.baseline and not trainer_ckpt else [])]  # ipc sends what the trainer holds
     for name, path in phases:
@@ -386,7 +391,7 @@ def main() -> int:
                *(["--torn"] if args.torn and name == "shardsync" else []),
                *(["--no-direct"] if args.no_direct else []),
                *(["--trainer-ckpt", trainer_ckpt] if trainer_ckpt and name != "fresh" else []),
-               *(["--delta", str(args.delta)] if args.delta is not None else []),
+               *(["--delta", str(args.delta), "--delta-mode", args.delta_mode] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
         if p.returncode != 0 or not os.path.exists(out):

@@ -50,16 +50,23 @@ class GroupSettings:
     and a MAC on every control frame (``security/framemac.py``). Every member must agree: a producer with it refuses
     members without, a consumer with it refuses producers without (``AuthError``, ``ChunkMacError``). Costs a keyed
     hash of every byte on both sides (``benchmarks/checksum_cost.py``)."""
-    delta: bool = False
+    delta: bool | str = False
     """Delta sync (``delta/``, ``docs/delta.md``): producers offer the words that changed since the version a
-    consumer holds beside the dense bytes; consumers keep a held copy and read only the changes. Costs, on the ring's
-    device: a delta area per ring slot and the history of served chunks (``delta_budget_bytes``), plus an encode
-    pass per chunk and its checksum."""
+    consumer holds beside the dense bytes; consumers keep a held copy and read only the changes — where it pays.
+    ``True``: a consumer that maps a producer's ring on its own device (colocated, ``cuda_ipc``: the dense read runs
+    at memory speed) reads that producer dense, with no held copy, and a producer encodes only chunks some member
+    reads as deltas. ``"always"``: every delta consumer reads deltas from every producer. Costs, on the ring's device:
+    a delta area per ring slot and the history of served chunks (``delta_budget_bytes``), allocated at the first
+    encode, plus an encode pass per chunk and its checksum (on a GPU, ``kernels/word_hash.py``: no host copy)."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     """Largest control frame accepted, checked before it is allocated (engine rule 5)."""
     switch_interval_s: float | None = 0.0002
     """While a sync runs, the process's GIL switch interval (and the cyclic GC is paused); restored afterwards.
     None leaves the interpreter alone (``engine/lanes.hot_path``)."""
+
+    def __post_init__(self) -> None:
+        if self.delta not in (False, True, "always") or type(self.delta) not in (bool, str):
+            raise ValueError(f"delta={self.delta!r}: expected False, True (where it pays) or 'always'")
 
     def fields(self) -> dict[str, Any]:
         """The settings as keyword arguments (``transport_kwargs`` copied)."""

@@ -215,6 +215,7 @@ def test_unaligned_payloads_are_read() -> None:
 def test_cuda_round_trip_and_history(frac: float) -> None:
     """The same plain-torch code on the device: the same forms and payloads as on the CPU, applied exactly."""
     from shardsync.delta.history import DeltaHistory
+    from shardsync.kernels.word_hash import word_hash
 
     new, old = _pair((4 << 20) + 6, frac, 11)
     cpu = codec.encode(new, old, base=2)
@@ -231,8 +232,10 @@ def test_cuda_round_trip_and_history(frac: float) -> None:
         h.encode(key, do)
         h.commit(1)
         h.begin(2)
-        e = h.encode(key, dn, checksum=True)
-        assert e.header == msgspec.structs.replace(cpu.header, base=1, checksum=codec.checksum(new))
+        e = h.encode(key, dn, checksum=True)  # a device chunk: the word hash, computed there
+        based = None if cpu.header.kind == DENSE else 1  # a dense chunk names no base
+        assert e.header == msgspec.structs.replace(cpu.header, base=based, checksum=word_hash(new), hash=codec.WORD)
+        assert word_hash(dn) == word_hash(new)  # the fused kernel (or torch ops) on the device: the same value
         h.rollback()
         assert torch.equal(h.held(key).cpu(), old) and h.version(key) == 1
 
@@ -251,3 +254,52 @@ def test_a_checksum_the_caller_computed_is_used_as_given() -> None:
     wrong = codec.encode(new, old, base=1, checksum=real ^ 1)  # a wrong one is caught where the bytes are checked
     with pytest.raises(codec.DeltaMismatch):
         codec.verify(new, wrong.header)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 1000, 4099])
+def test_word_hash_is_its_definition_at_every_length_and_address(n: int) -> None:
+    """The torch path equals the plain-Python definition, whatever the length (a zero-padded tail) and the address
+    (an unaligned view is hashed as its bytes)."""
+    from shardsync.kernels.word_hash import word_hash, word_hash_reference
+
+    t = torch.randint(0, 256, (n + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    assert word_hash(t[:n]) == word_hash_reference(bytes(t[:n].tolist()))
+    assert word_hash(t[1:]) == word_hash_reference(bytes(t[1:].tolist()))
+    assert 0 <= word_hash(t) < 1 << 64
+
+
+def test_word_hash_sees_one_changed_bit_a_moved_word_and_the_length() -> None:
+    from shardsync.kernels.word_hash import word_hash
+
+    t = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    h = word_hash(t)
+    seen = {h}
+    for byte, bit in ((0, 0), (7, 7), (40000, 3), ((1 << 16) - 1, 7)):  # each single flip, the top bits among them
+        u = t.clone()
+        u[byte] ^= 1 << bit
+        seen.add(word_hash(u))
+    w = t.clone().view(torch.int64)
+    w[[3, 9]] = w[[9, 3]]  # two words swapped
+    seen.add(word_hash(w.view(torch.uint8)))
+    u = t.clone()
+    u.view(torch.int64)[[5, 6]] ^= 1 << 63  # the same top bit flipped in two words
+    seen.add(word_hash(u))
+    seen.add(word_hash(torch.cat([t, torch.zeros(1, dtype=torch.uint8)])))  # a zero byte appended
+    assert len(seen) == 8
+
+
+def test_a_word_hash_header_is_verified_by_that_hash_and_an_unknown_hash_refused() -> None:
+    from shardsync.kernels.word_hash import word_hash
+
+    new, old = _pair(4096, 0.01, 3)
+    e = codec.encode(new, old, base=1, checksum=True)
+    assert e.header.hash == codec.XXH3 and e.header.checksum == codec.checksum(new)  # a host chunk: xxh3
+    h = msgspec.structs.replace(e.header, checksum=word_hash(new), hash=codec.WORD)
+    h2 = codec.read_header(codec.header_bytes(h), nbytes=4096, base=1)
+    held = old.clone()
+    codec.decode_(held, Encoded(h2, e.payload), base=1)
+    codec.verify(held, h2)  # by the word hash it names
+    with pytest.raises(DeltaMismatch):
+        codec.verify(held, msgspec.structs.replace(h2, hash=codec.XXH3))
+    with pytest.raises(DeltaFormatError, match="hash"):
+        codec.check_header(msgspec.structs.replace(h2, hash=7), nbytes=4096)

@@ -84,18 +84,19 @@ def _layout() -> GroupLayout:
 
 def test_parse_offers_checks_entries() -> None:
     lay = _layout()
-    ready = SimpleNamespace(chunks=[[0, 0, 4096, -1], [1, 4096, 1000, -1]], deltas=[[0, 8192, 1, 3, 7, 99]])
+    ready = SimpleNamespace(chunks=[[0, 0, 4096, -1], [1, 4096, 1000, -1]], deltas=[[0, 8192, 1, 3, 7, 99, 0]])
     offers, bad = parse_offers(ready, lay, where="t")
     assert bad == 0 and offers[0][0] == 8192 and offers[0][1].count == 3 and offers[0][1].base == 7
-    for forged in ([0, 8192, 9, 3, 7, 99],       # unknown kind
-                   [0, 8192, 1, 4000, 7, 99],    # a payload larger than the chunk
-                   [0, -1, 1, 3, 7, 99],         # negative offset
-                   [0, 8192, 1, 3, -7, 99],      # base not a version
-                   [1, 8192, 2, 600, 7, 99]):    # count above the chunk's words
+    for forged in ([0, 8192, 9, 3, 7, 99, 0],       # unknown kind
+                   [0, 8192, 1, 4000, 7, 99, 0],    # a payload larger than the chunk
+                   [0, -1, 1, 3, 7, 99, 0],         # negative offset
+                   [0, 8192, 1, 3, -7, 99, 0],      # base not a version
+                   [0, 8192, 1, 3, 7, 99, 5],       # an unknown checksum hash
+                   [1, 8192, 2, 600, 7, 99, 1]):    # count above the chunk's words
         offers, bad = parse_offers(SimpleNamespace(chunks=ready.chunks, deltas=[forged]), lay, where="t")
         assert offers == {} and bad == 1, forged  # that chunk is read dense
-    for broken in ([[5, 0, 1, 0, 7, 99]], [[0, 0, 1, 0, 7, 99]] * 2, [[0, 0, 1, 0, 7]],
-                   [[0, 0, 1, 0, 7, 9]] * 3):
+    for broken in ([[5, 0, 1, 0, 7, 99, 0]], [[0, 0, 1, 0, 7, 99, 0]] * 2, [[0, 0, 1, 0, 7, 99]],
+                   [[0, 0, 1, 0, 7, 9, 0]] * 3):
         with pytest.raises(SyncError):
             parse_offers(SimpleNamespace(chunks=ready.chunks, deltas=broken), lay, where="t")
 
@@ -119,7 +120,8 @@ def test_held_chunks_version_only_on_commit() -> None:
 @pytest.mark.parametrize("mode", ["mac", "plain_consumers"])
 def test_delta_with_keyed_tags_or_plain_consumers(mode: str) -> None:
     """``mac``: each delta-decoded chunk is also checked against its producer's keyed tag. ``plain_consumers``:
-    consumers without ``delta`` read the dense bytes of delta producers' rings, as before."""
+    consumers without ``delta`` read the dense bytes of delta producers' rings, and the producers, told so by every
+    ``WaitReady``, encode nothing."""
     spec = {"kind": "zoo", "cfg": asdict(CFG), "changed": 0.002}
     kw = dict(mac=True, delta=True) if mode == "mac" else dict(producer_extra={"delta": True})
     with LocalCluster(CFG, producers=2, replicas=1, tp=2, lease_s=LEASE, timeout_s=8 * LEASE,
@@ -135,7 +137,12 @@ def test_delta_with_keyed_tags_or_plain_consumers(mode: str) -> None:
                 elif v > 1:
                     assert c["delta_chunks"] > 0 and c["delta_heals"] == 0, c
                     assert c["bytes_received"] * 10 <= first[k], c
-            assert all(p["delta_offered"] > 0 for p in r["producers"]) or v == 1
+            if mode == "plain_consumers":  # told no member reads deltas, producers encode nothing and hold no bases
+                assert all(p["delta_offered"] == 0 for p in r["producers"]), r["producers"]
+                assert v == 1 or all(p["delta_skipped"] > 0 and p["delta_history_bytes"] == 0
+                                     for p in r["producers"]), r["producers"]
+            else:
+                assert all(p["delta_offered"] > 0 for p in r["producers"]) or v == 1
 
 
 def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:

@@ -41,6 +41,41 @@ def test_direct_and_slot_consumers_side_by_side_stay_exact_over_syncs() -> None:
         _close(p, zoos)
 
 
+def _few_changed(v: int) -> dict[str, torch.Tensor]:
+    """Version ``v``: version 1's weights with one element of every tensor changed per version since."""
+    state = dict(hf_state_dict(CFG, seed=1))
+    for i in range(2, v + 1):
+        for t in state.values():
+            t.view(-1)[i * 7 % t.numel()] += 1
+    return state
+
+
+def test_delta_where_it_pays_direct_consumers_read_dense_and_always_reads_deltas() -> None:
+    """``delta=True``: a consumer mapping the producer's ring reads it dense (no held copy) and says so, so the
+    producer encodes only for the consumer that reads through receive slots; ``delta="always"`` makes a mapping
+    consumer hold a copy and read deltas too. Every sync exact; versions change a few elements each."""
+    p, th, err = _producer(3, transport="loopback", lookahead=1, delta=True)
+    p.source.at = lambda v: setattr(p.source, "_state", _few_changed(v))
+    zoos = [_Zoo(p.address, "r0/tp0", transport="loopback", direct_reads=True, delta=True),
+            _Zoo(p.address, "r1/tp0", transport="loopback", direct_reads=True, delta="always"),
+            _Zoo(p.address, "r2/tp0", transport="loopback", direct_reads=False, delta=True)]
+    try:
+        _start(zoos)
+        th.join(30)
+        assert not err, err
+        for v in (1, 2, 3):
+            _, errs = _sync(p, zoos, v)
+            assert not errs, errs
+            assert [z.mismatched(_few_changed(v)) for z in zoos] == [[], [], []], v
+        auto, always, slotted = (z.c.stats for z in zoos)
+        assert auto["direct_from"] == [0] and zoos[0].c.held is None and "delta_chunks" not in auto, auto
+        assert always["direct_from"] == [] and always["delta_chunks"] > 0 and always["delta_heals"] == 0, always
+        assert slotted["delta_chunks"] > 0 and slotted["bytes_received"] * 10 < auto["bytes_received"], slotted
+        assert p.stats["delta_offered"] > 0 and p.stats["delta_skipped"] == 0, p.stats
+    finally:
+        _close(p, zoos)
+
+
 def test_a_consumer_without_direct_reads_on_cpu_uses_slots_by_default() -> None:
     """``direct_reads=None`` turns them on for GPU consumers only: a CPU consumer's ``apply`` keeps getting one
     group buffer."""

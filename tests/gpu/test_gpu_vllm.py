@@ -30,7 +30,9 @@ CASES = [  # (model, extra flags)
     ("tiny", ["--checkpoint", "fp8-block"]),  # a block-FP8 checkpoint (128x128 weight_scale_inv)
     ("tiny", ["--checkpoint", "fp8-block", "--trainer", "bf16"]),  # a bf16 trainer into that engine (BlockFP8Source)
     ("tiny", ["--checkpoint", "fp8-channel"]),  # compressed-tensors FP8: per-channel weight_scale, dynamic acts
-    ("tiny-moe", ["--delta", "0.01", "--torn"]),  # delta sync (1 % changed a version); a torn sync healed dense
+    ("tiny-moe", ["--delta", "0.01", "--delta-mode", "always", "--torn"]),  # delta sync (1 % changed a version) on
+    # the GPU codec; a torn sync healed dense
+    ("tiny-moe", ["--delta", "0.01"]),        # delta where it pays: the colocated worker maps the ring, reads dense
     ("tiny", ["--graphs", "--no-direct"]),     # the general path (layerwise buffers + first-load processing)
 ]
 IDS = [f"{m}{''.join(f)}" for m, f in CASES]
@@ -83,10 +85,14 @@ def test_synced_gpu_engine_equals_a_fresh_gpu_engine(runs, model: str, flags: li
         assert not t["worker_after_heal"]["torn"] and t["worker_after_heal"]["holds"].isdigit(), t
         if "--delta" in flags:
             assert t["delta_heal"]["delta_dense_chunks"] > 0, t["delta_heal"]
-    if "--delta" in flags:  # the last sync: every chunk a delta against the version held, few bytes read
+    if "always" in flags:  # the last sync: every chunk a delta against the version held, few bytes read
         d, w = s["delta"], s["delta_worker"]
         assert d["delta_offered"] > 0 and w["delta_chunks"] > 0 and w["delta_heals"] == 0, (d, w)
         assert 0 < w["bytes_received"] * 4 < s["bytes"], (w, s["bytes"])
+    elif "--delta" in flags:  # colocated: nothing encoded, no bases held, no held copy on the worker
+        d, w = s["delta"], s["delta_worker"]
+        assert d["delta_offered"] == 0 and d["delta_skipped"] > 0 and d["delta_history_bytes"] == 0, d
+        assert "delta_held_bytes" not in w, w
     if "--trainer" in flags:  # the trainer held bf16; the engine's checkpoint and the fresh engine's are block FP8
         assert r["trainer"] == "bf16" and s["tensors_compared"] > 0, r
     if "--no-direct" in flags:

@@ -46,7 +46,7 @@ from ..errors import DeltaFormatError, DeltaMismatch
 
 __all__ = ["DENSE", "PAIRS", "BITMAP", "KINDS", "HEADER_MAX", "DeltaHeader", "Encoded", "encode", "dense",
            "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes",
-           "word_size", "choose", "checksum", "verify", "changed_words", "encode_changes", "validate",
+           "word_size", "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words", "encode_changes", "validate",
            "apply_changes"]
 
 DENSE, PAIRS, BITMAP = "dense", "pairs", "bitmap"
@@ -69,11 +69,16 @@ class DeltaHeader(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     base: int | None = None
     """Version of the bytes a pairs/bitmap payload applies to (the consumer must hold exactly it); None for dense."""
     checksum: int | None = None
-    """xxh3-64 of the new dense bytes, when the producer computed it."""
+    """The new dense bytes' checksum (by ``hash``), when the producer computed it."""
+    hash: int = 0
+    """Which checksum: ``XXH3`` (0, computed on the host) or ``WORD`` (1, ``kernels/word_hash.py``: computed where
+    the chunk lies — a GPU chunk's, with no copy to the host)."""
 
 
+XXH3, WORD = 0, 1
+HASHES = (XXH3, WORD)
 HEADER_MAX = len(msgspec.msgpack.encode(DeltaHeader(kind=BITMAP, nbytes=_U64 - 1, count=_U64 - 1, base=_U64 - 1,
-                                                    checksum=_U64 - 1)))
+                                                    checksum=_U64 - 1, hash=WORD)))
 """The largest encoded header, bytes (the bound on what a delta adds to a dense chunk)."""
 _HEADER_DEC = msgspec.msgpack.Decoder(DeltaHeader)
 
@@ -171,8 +176,8 @@ def dense(new: torch.Tensor, *, out: torch.Tensor | None = None, checksum: bool 
     _check_chunk(new, "new", "")
     n = new.numel()
     payload = new if out is None else _buffer(out, n, new).copy_(new)
-    return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=n // word_size(n),
-                               checksum=_csum(new, checksum)), payload)
+    csum, algo = _csum(new, checksum)
+    return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=n // word_size(n), checksum=csum, hash=algo), payload)
 
 
 def encode(new: torch.Tensor, old: torch.Tensor | None, *, base: int | None = None, out: torch.Tensor | None = None,
@@ -199,10 +204,11 @@ def encode_changes(new: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, 
     n = new.numel()
     k = idx.numel()
     kind = choose(n, k)
-    csum = _csum(new, checksum)
+    csum, algo = _csum(new, checksum)
     if kind == DENSE:
         enc = dense(new, out=out)
-        return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=enc.header.count, checksum=csum), enc.payload, k)
+        return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=enc.header.count, checksum=csum, hash=algo),
+                       enc.payload, k)
     buf = _buffer(out, payload_nbytes(kind, n, k), new)
     if kind == PAIRS:
         buf[: 4 * k].view(torch.int32).copy_(idx)
@@ -214,7 +220,7 @@ def encode_changes(new: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, 
         bits.zero_()
         one = torch.ones((), dtype=torch.int32, device=new.device)
         bits.index_add_(0, idx >> 5, torch.bitwise_left_shift(one, (idx & 31).to(torch.int32)))  # distinct: + == |
-    return Encoded(DeltaHeader(kind=kind, nbytes=n, count=k, base=base, checksum=csum), buf, k)
+    return Encoded(DeltaHeader(kind=kind, nbytes=n, count=k, base=base, checksum=csum, hash=algo), buf, k)
 
 
 def header_bytes(h: DeltaHeader) -> bytes:
@@ -253,6 +259,8 @@ def check_header(h: DeltaHeader, *, nbytes: int, base: int | None = None, where:
         v = getattr(h, f)
         if v is not None and (type(v) is not int or not 0 <= v < _U64):
             raise bad(f, f"= {v!r} is not None or an unsigned 64-bit int")
+    if type(h.hash) is not int or h.hash not in HASHES:
+        raise bad("hash", f"= {h.hash!r} is not one of {HASHES}")
     if h.kind not in KINDS:
         raise bad("kind", f"{h.kind!r} is not one of {', '.join(KINDS)}")
     if h.nbytes != nbytes:
@@ -352,12 +360,19 @@ def decode_into(out: torch.Tensor, old: torch.Tensor, enc: Encoded, *, base: int
     return out
 
 
-def _csum(new: torch.Tensor, checksum: bool | int) -> int | None:
-    """The header's checksum: ``True`` hashes ``new``; an int is its xxh3-64, already computed by the caller (a
-    producer that checksums the chunk anyway); ``False``: none."""
+def _csum(new: torch.Tensor, checksum: bool | int) -> tuple[int | None, int]:
+    """The header's checksum and its hash: ``True`` hashes ``new`` (:func:`hash_for` its device); an int is its
+    xxh3-64, already computed by the caller (a producer that checksums the chunk anyway); ``False``: none."""
     if checksum is True:
-        return _sum(new)
-    return None if checksum is False or checksum is None else int(checksum)
+        algo = hash_for(new)
+        return checksum_of(new, algo), algo
+    return (None if checksum is False or checksum is None else int(checksum)), XXH3
+
+
+def hash_for(t: torch.Tensor) -> int:
+    """The checksum a producer computes for a chunk on ``t``'s device: ``WORD`` on a GPU (no host copy), ``XXH3`` on
+    the host (the faster one there)."""
+    return WORD if t.device.type != "cpu" else XXH3
 
 
 def _sum(t: torch.Tensor) -> int:
@@ -368,15 +383,27 @@ def _sum(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(t.numpy()))
 
 
+def checksum_of(data: torch.Tensor, algo: int) -> int:
+    """``data``'s checksum by hash ``algo`` (``XXH3``: the same function as ``engine.wire.chunk_checksum``, a device
+    chunk copied to the host for it; ``WORD``: ``kernels.word_hash``, computed on the chunk's device)."""
+    _check_chunk(data, "data", "")
+    if algo == WORD:
+        from ..kernels.word_hash import word_hash
+
+        return word_hash(data)
+    if algo != XXH3:
+        raise DeltaFormatError(f"unknown checksum hash {algo!r} (known: {HASHES})", field="hash")
+    return _sum(data)
+
+
 def checksum(data: torch.Tensor) -> int:
     """xxh3-64 of a contiguous uint8 chunk (the same function as ``engine.wire.chunk_checksum``; a device chunk
     is copied to the host for it)."""
-    _check_chunk(data, "data", "")
-    return _sum(data)
+    return checksum_of(data, XXH3)
 
 
 def verify(held: torch.Tensor, h: DeltaHeader, *, where: str = "") -> None:
     """After applying: ``DeltaMismatch`` unless ``held`` hashes to the header's checksum (no checksum: no check)."""
-    if h.checksum is not None and checksum(held) != h.checksum:
+    if h.checksum is not None and checksum_of(held, h.hash) != h.checksum:
         raise DeltaMismatch(f"{where or 'chunk'}: bytes after applying the {h.kind} delta do not match the "
                             f"producer's checksum {h.checksum:#018x}")

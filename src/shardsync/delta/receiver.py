@@ -117,13 +117,13 @@ def parse_offers(ready: Any, lay: GroupLayout, *, where: str) -> tuple[dict[int,
     for e in ready.deltas:
         if len(e) != ENTRY_LEN or e[0] not in announced or e[0] in out:
             raise SyncError(f"{where}: delta entry {e[:ENTRY_LEN]!r} is not [chunk, offset, kind, count, base, "
-                            f"checksum] of an announced chunk offered once")
-        ci, off, kind, count, base, csum = e
+                            f"checksum, hash] of an announced chunk offered once")
+        ci, off, kind, count, base, csum, algo = e
         try:
             if kind not in CODE_KIND or off < 0:
                 raise DeltaError(f"{where}: delta entry of chunk {ci}: kind {kind} / offset {off}")
             h = codec.DeltaHeader(kind=CODE_KIND[kind], nbytes=lay.chunks[ci].nbytes, count=count, base=base,
-                                  checksum=csum)
+                                  checksum=csum, hash=algo)
             codec.check_header(h, nbytes=lay.chunks[ci].nbytes, where=f"{where}, chunk {ci}")
             if h.checksum is None:
                 raise DeltaError(f"{where}: delta of chunk {ci} without a checksum")
@@ -161,7 +161,8 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
             try:
                 codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
                 codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
-                verify(dst, checksum, tag, group, ci, hashed=h.checksum)  # its own checksum / keyed tag
+                # its own checksum / keyed tag (the xxh3 just computed is not computed twice)
+                verify(dst, checksum, tag, group, ci, hashed=h.checksum if h.hash == codec.XXH3 else None)
                 held.count(delta_chunks=1, delta_payload_bytes=size)
                 continue
             except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones

@@ -5,7 +5,8 @@ group, chunk index), built on the ring's device at ``_assign`` (again after a pl
 gone and the next version goes dense). Each ring slot is twice the dense slot: the dense bytes at
 ``unit.slot_offset`` as before, and a **delta area** of the same size at ``dense_slot + unit.slot_offset`` (a
 payload is never larger than its chunk). Memory: the history (every served chunk once, plus its undo journal,
-together ``delta_budget_bytes``; default twice the chunks) and the delta areas (as much again as the dense ring).
+together ``delta_budget_bytes``; default the chunks and an eighth more; allocated at the first chunk some member
+reads as a delta) and the delta areas (as much again as the dense ring).
 
 Per version (``ProducerSync``): ``begin`` before the first pack; after a unit is packed (on the publisher, after
 the pack's event: its one host sync per chunk is not on the serving thread) :meth:`offer` encodes it and, where the
@@ -15,7 +16,9 @@ never becomes a base). The dense bytes stay in the ring: each consumer chooses (
 
 Wire entry (``Ready.deltas``, one per chunk offered as a delta, at most one per announced chunk)::
 
-    [chunk index, offset in the registered buffer, kind (1 pairs, 2 bitmap), count, base version, xxh3-64]
+    [chunk index, offset in the registered buffer, kind (1 pairs, 2 bitmap), count, base version, checksum, hash]
+
+``hash``: ``codec.XXH3`` (a host ring) or ``codec.WORD`` (a GPU ring: ``kernels/word_hash.py``, no host copy).
 """
 
 from __future__ import annotations
@@ -26,50 +29,86 @@ import torch
 
 from . import codec
 from .history import DeltaHistory
+from ..errors import DeltaBudgetError
 
 __all__ = ["DeltaSender", "KIND_CODE", "CODE_KIND", "ENTRY_LEN"]
 
 KIND_CODE = {codec.PAIRS: 1, codec.BITMAP: 2}
 CODE_KIND = {v: k for k, v in KIND_CODE.items()}
-ENTRY_LEN = 6
+ENTRY_LEN = 7
+JOURNAL_SHARE = 8
+"""Default ``delta_budget_bytes``: the chunks once plus this share of them for the undo journal (a chunk whose undo
+does not fit is dropped on rollback: its next chunk goes dense)."""
 
 
 class DeltaSender:
     """This rank's delta history and per-version counters (see the module docstring)."""
 
     def __init__(self, units: dict[str, list[Any]], *, device: torch.device, budget_bytes: int | None):
-        sizes = {(u.digest, g, u.chunk.index): u.chunk.nbytes for g, us in units.items() for u in us}
-        need = sum(codec_align(n) for n in sizes.values())
-        self.history = DeltaHistory(sizes, budget_bytes=2 * need if budget_bytes is None else budget_bytes,
-                                    device=device)
-        self.offered = self.dense = 0
+        self.sizes = {(u.digest, g, u.chunk.index): u.chunk.nbytes for g, us in units.items() for u in us}
+        need = sum(codec_align(n) for n in self.sizes.values())
+        self.budget = need + need // JOURNAL_SHARE if budget_bytes is None else budget_bytes
+        if self.budget < need:
+            raise DeltaBudgetError(budget=self.budget, need=need)  # refused at init, not at the first encode
+        self.device = device
+        self._history: DeltaHistory | None = None
+        self._open: int | None = None
+        self.offered = self.dense = self.skipped = 0
         self.payload_bytes = 0
 
+    @property
+    def history(self) -> DeltaHistory:
+        """The bases, allocated at the first chunk some member may read as a delta, freed after a version in which
+        every member read dense (a colocated engine mapping the ring)."""
+        if self._history is None:
+            self._history = DeltaHistory(self.sizes, budget_bytes=self.budget, device=self.device)
+            if self._open is not None:
+                self._history.begin(self._open)
+        return self._history
+
     def stats(self) -> dict[str, Any]:
-        h = self.history
-        return {"delta_history_bytes": h.need + h.journal_bytes, "delta_budget_bytes": h.budget,
-                "delta_offered": self.offered, "delta_dense": self.dense, "delta_payload_bytes": self.payload_bytes}
+        h = self._history
+        return {"delta_history_bytes": 0 if h is None else h.need + h.journal_bytes, "delta_budget_bytes": self.budget,
+                "delta_offered": self.offered, "delta_dense": self.dense, "delta_skipped": self.skipped,
+                "delta_payload_bytes": self.payload_bytes}
 
     def begin(self, version: int) -> None:
-        self.offered = self.dense = self.payload_bytes = 0
-        self.history.rollback()  # nothing should be open; a version left open by a crash never becomes a base
-        self.history.begin(version)
+        self.offered = self.dense = self.skipped = self.payload_bytes = 0
+        self._open = version
+        if self._history is not None:
+            self._history.rollback()  # nothing should be open; a version left open by a crash never becomes a base
+            self._history.begin(version)
 
     def commit(self, version: int) -> None:
-        self.history.commit(version)
+        self._open = None
+        if self._history is not None:
+            self._history.commit(version)
+            if self.skipped and not (self.offered or self.dense):  # no member read a delta: the bases go
+                self._history = None
 
     def rollback(self) -> None:
-        self.history.rollback()
+        self._open = None
+        if self._history is not None:
+            self._history.rollback()
+
+    def skip(self, unit: Any, group: str) -> None:
+        """Every live member reads the unit's chunk dense this version: it is not encoded, and its base (now
+        stale) is dropped."""
+        self.skipped += 1
+        if self._history is not None:
+            self._history.invalidate([(unit.digest, group, unit.chunk.index)])
 
     def offer(self, unit: Any, group: str, region: torch.Tensor, area: torch.Tensor,
               offset: int, known_checksum: int | None = None) -> list[int] | None:
         """Encode ``region`` (the unit's packed chunk) against the history; a delta's payload goes to ``area``
         (the unit's delta area, at ``offset`` in the registered buffer). Returns the ``Ready.deltas`` entry, or
         None (no base, or dense is no larger): consumers then read the dense bytes. ``known_checksum``: the
-        region's xxh3-64 where the caller computed it for the chunk (hashed once, not twice)."""
+        region's xxh3-64 where the caller computed it for the chunk (hashed once, not twice; on a GPU the word hash
+        is computed instead, where the chunk lies)."""
         key = (unit.digest, group, unit.chunk.index)
         base = self.history.version(key)
-        want = (known_checksum if known_checksum is not None else True) if base is not None else False
+        reuse = known_checksum is not None and codec.hash_for(region) == codec.XXH3
+        want = (known_checksum if reuse else True) if base is not None else False
         enc = self.history.encode(key, region, checksum=want, out=area if base is not None else None)
         h = enc.header
         if h.kind == codec.DENSE:
@@ -80,7 +119,7 @@ class DeltaSender:
         self.offered += 1
         self.payload_bytes += enc.payload.numel()
         assert h.base == base and h.checksum is not None
-        return [unit.chunk.index, offset, KIND_CODE[h.kind], h.count, h.base, h.checksum]
+        return [unit.chunk.index, offset, KIND_CODE[h.kind], h.count, h.base, h.checksum, h.hash]
 
 
 def codec_align(n: int) -> int:

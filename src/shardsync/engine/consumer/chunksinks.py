@@ -8,8 +8,8 @@ Every sink has the same small interface (:class:`ChunkSink`):
 * ``landed(group)``: the chunks it left outside the group's receive slot, [(chunk, bytes)], taken once by the
   applier (``PullRound.take``);
 * ``holds_ring``: the apply reads the producer's memory where it lies, so its ``Released`` waits for the apply;
-  else it goes out right after the read; ``wants_sources``: ask the producer for its tensors; ``sourced``: groups
-  served from the producer's tensors.
+  else it goes out right after the read; ``wants_sources``: ask the producer for its tensors; ``takes_deltas``: tell
+  it this sink reads its deltas (``WaitReady.deltas``); ``sourced``: groups served from the producer's tensors.
 
 The read paths' sinks (:class:`PathSink`) also have ``place_sources(group, chunks, full, pack)``: where a source
 read's mapped tensors go (left where they lie, or packed by ``pack`` into their destinations). The sinks:
@@ -66,6 +66,7 @@ class ChunkSink(Protocol):
 
     holds_ring: bool
     wants_sources: bool
+    takes_deltas: bool
     sourced: int
 
     def read(self, ready: m.Ready, check: ChunkCheck) -> int: ...
@@ -101,6 +102,7 @@ class SlotSink:
 
     holds_ring = False
     wants_sources = False
+    takes_deltas = False
     sourced = 0
 
     def __init__(self, ctx: PullContext, p: int, version: int, slots: SlotPool):
@@ -137,6 +139,7 @@ class DirectSink:
 
     holds_ring = True
     wants_sources = False
+    takes_deltas = False
     sourced = 0
 
     def __init__(self, ctx: PullContext, p: int, version: int, ring: Any):
@@ -170,6 +173,7 @@ class HeldSink:
 
     holds_ring = False
     wants_sources = False
+    takes_deltas = True
     sourced = 0
 
     def __init__(self, ctx: PullContext, p: int, version: int, held: HeldChunks):
@@ -210,8 +214,8 @@ class HeldSink:
 
 def choose_sink(ctx: PullContext, p: int, version: int, *, ring: Any, slots: SlotPool | None,
                 held: HeldChunks | None, opener: SourceOpener | None) -> SourceSink:
-    """Producer ``p``'s sink for this sync: the held copy (a delta consumer), else its mapped ring (``ring``: the
-    consumer reads it directly), else a receive slot; wrapped for source reads."""
+    """Producer ``p``'s sink for this sync: the held copy (``held``: a delta consumer reading ``p``'s deltas), else
+    its mapped ring (``ring``: the consumer reads it directly), else a receive slot; wrapped for source reads."""
     inner: PathSink
     if held is not None:
         inner = HeldSink(ctx, p, version, held)

@@ -122,9 +122,11 @@ class Consumer:
             raise SyncError(f"consumer {consumer_id}: transport {self.transport.name!r} cannot move GPU memory "
                             f"(receive slots on {device}); use cuda_ipc, nccl or nixl")
         self.delta = delta
-        """Delta sync (``delta/receiver.py``): keep a held copy of this consumer's packed chunks (its plan's
-        packed bytes, on its device: ``stats["delta_held_bytes"]``) and read only the changed words where a producer
-        with ``ProducerConfig.delta`` offers them against the version held; no receive slots, no direct reads."""
+        """Delta sync (``delta/receiver.py``, ``GroupSettings.delta``): keep a held copy of this consumer's packed
+        chunks (its plan's packed bytes, on its device: ``stats["delta_held_bytes"]``; allocated at the first sync
+        that reads some producer's deltas) and read only the changed words where a producer offers them against the
+        version held. With ``True`` a producer whose ring this consumer maps on its own device is read dense,
+        directly (memory speed beats decoding); ``"always"`` reads every producer's deltas."""
         self.sources: SourceOpener | None = None
         """Source reads (``engine/source_reads/source_open.py``): the producers' tensors mapped here, when the transport can."""
         self.held: HeldChunks | None = None
@@ -171,8 +173,7 @@ class Consumer:
                     raise SyncError(f"consumer {self.id}: recv_budget_bytes={self.recv_budget_bytes} holds fewer than "
                                     f"two receive slots of its largest group ({slot} bytes); it needs {2 * slot}")
             self._slot_shape = (n, slot)
-            if self.delta:
-                self.held = HeldChunks(self.layouts, device=self.lane.device)
+            self.held = None  # a new plan's layouts: a held copy is made for them when a sync needs one
             self.slots: list[torch.Tensor] = []
             """Receive slots, allocated at the first sync that reads some producer through them."""
             routes = m.expect(self.coord.call(m.RegisterPlan(consumer=self.id, session=self.session,
@@ -335,14 +336,19 @@ class Consumer:
         self._connect(view.producers)
         routes = self.routes
         producers = sorted({p for per in routes.values() for p in per})
-        direct = self._direct(producers) if self.held is None else {}
-        if self.held is None and not self.slots and any(p not in direct for p in producers):
+        direct = self._direct(producers) if self.delta != "always" else {}
+        via_ring = [p for p in producers if p not in direct]  # read through receive slots, or as deltas
+        if self.delta and via_ring and self.held is None:
+            self.held = HeldChunks(self.layouts, device=self.lane.device)
+            self.held.begin()
+        if not self.delta and not self.slots and via_ring:
             n, size = self._slot_shape
             self.slots = [torch.empty(size, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
         ctx = self.pulls
         slots = SlotPool(self.slots, [g.name for g in self.plan.groups], timeout_s=self.timeout_s) \
             if self.slots else None
-        sinks = {p: choose_sink(ctx, p, version, ring=direct.get(p), slots=slots, held=self.held, opener=self.sources)
+        sinks = {p: choose_sink(ctx, p, version, ring=direct.get(p), slots=slots,
+                                held=self.held if p not in direct else None, opener=self.sources)
                  for p in producers}  # each producer's read path, chosen once for this sync
         rnd = PullRound(ctx, version, session, routes, sinks, slots)
         applier = self._applier = Applier(ctx, rnd, self.apply)

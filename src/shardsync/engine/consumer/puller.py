@@ -207,7 +207,8 @@ class Puller(threading.Thread):
                 raise SyncError(f"consumer {ctx.id}: version {version} is failing (another puller or the apply)")
             try:
                 ready = ctx.clients[p].call(m.WaitReady(consumer=ctx.id, session=rnd.session, version=version,
-                                                        group=group, after=after, sources=self.sources),
+                                                        group=group, after=after, sources=self.sources,
+                                                        deltas=self.sink.takes_deltas),
                                             timeout_s=ctx.lease_s + 1)
             except TransportError as e:
                 raise ctx.lost(p, version, "", e) from None

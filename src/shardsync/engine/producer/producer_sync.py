@@ -275,7 +275,9 @@ class ProducerSync:
                 r = ready[u.digest]
                 csum = chunk_checksum(region) if ctx.checksums else -1
                 r.chunks.append([c.index, base + u.slot_offset, c.nbytes, csum])
-                if delta is not None:
+                if delta is not None and not table.any_takes_deltas(live.get(u.digest, set())):
+                    delta.skip(u, g)  # every member reads it dense: no encode, and its base is gone
+                elif delta is not None:
                     at = base + lay.dense_slot + u.slot_offset
                     entry = delta.offer(u, g, region, ring[at: at + c.nbytes], at,
                                         known_checksum=csum if csum >= 0 else None)

@@ -88,6 +88,8 @@ class VersionTable:
         at its begin only where the session is the member's (checked then: this rank has no table before)."""
         self.reads_sources: dict[str, bool] = {}
         """Consumer -> whether its last ``WaitReady`` said it maps this producer's memory (source reads)."""
+        self.takes_deltas: dict[str, bool] = {}
+        """Consumer -> whether its last ``WaitReady`` said it reads this producer's deltas (unknown: it may)."""
 
     # ------------------------------------------------------------------ a version's life
     def begin(self, version: int, members: dict[str, tuple[str, str]], incarnations: dict[int, int]) -> VersionState:
@@ -153,6 +155,10 @@ class VersionTable:
                         if len(self.reads_sources) > 4096:  # bounded (only members get here)
                             self.reads_sources.clear()
                         self.reads_sources[msg.consumer] = msg.sources
+                    if self.takes_deltas.get(msg.consumer) is not msg.deltas:
+                        if len(self.takes_deltas) > 4096:
+                            self.takes_deltas.clear()
+                        self.takes_deltas[msg.consumer] = msg.deltas
                     if st.failed:
                         raise SyncError(f"producer {self.cfg.rank}: version {msg.version} failed: {st.failed}")
                     if msg.consumer in st.dropped:
@@ -165,6 +171,11 @@ class VersionTable:
                 if left <= 0:
                     return m.Pending()
                 self.cv.wait(left)
+
+    def any_takes_deltas(self, consumers: set[str]) -> bool:
+        """Whether some of ``consumers`` may read this producer's deltas (one not heard from yet may)."""
+        with self.cv:
+            return any(self.takes_deltas.get(c, True) for c in consumers)
 
     def release(self, msg: m.Released) -> None:
         """A member read group ``msg.group``: its slot may be reclaimed once every member did."""

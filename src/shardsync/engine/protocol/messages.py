@@ -231,6 +231,9 @@ class WaitReady(_M):
     sources: bool = False
     """This consumer maps the producer's memory on its own device: groups may be served from the trainer's tensors
     where they lie (``ProducerConfig.source_reads``); without it they are packed."""
+    deltas: bool = False
+    """This consumer reads this producer's chunks as deltas where offered (``GroupSettings.delta``): a producer
+    encodes only chunks some live member reads so (the others read dense)."""
 
 
 class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
@@ -246,8 +249,8 @@ class Ready(_M):
     """With ``ProducerConfig.mac``: each chunk's keyed tag, in the order of ``chunks`` (the consumer checks there
     are as many); empty without."""
     deltas: list[list[int]] = []
-    """With ``ProducerConfig.delta``: [[chunk index, offset, kind (1 pairs, 2 bitmap), count, base version, xxh3-64
-    of the new dense bytes], ...] for the chunks also offered as a delta (``delta/sender.py``); at most one per
+    """With ``ProducerConfig.delta``: [[chunk index, offset, kind (1 pairs, 2 bitmap), count, base version, checksum
+    of the new dense bytes, its hash (0 xxh3-64, 1 the word hash of a GPU ring)], ...] for the chunks also offered as a delta (``delta/sender.py``); at most one per
     announced chunk, each checked by the consumer before anything is read (``delta/receiver.py``)."""
     sources: bytes = b""
     """Source reads (``ProducerConfig.source_reads``): the group is not in the ring but where the trainer's tensors

@@ -144,6 +144,10 @@ class SourceSink:
     def holds_ring(self) -> bool:
         return self.inner.holds_ring
 
+    @property
+    def takes_deltas(self) -> bool:
+        return self.inner.takes_deltas
+
     def read(self, ready: m.Ready, check: Any) -> int:
         """Producer ``p``'s chunks of ``ready.group``: from its source tensors when the ``Ready`` names them, else
         the inner sink's read. Returns the bytes."""

@@ -112,6 +112,7 @@ class ShardsyncInitInfo(WeightTransferInitInfo, GroupSettings):
     ``{inspect_to}/fresh_rank{R}.json``; no plan, engine state untouched."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.inspect_to and not self.check_fresh:
             raise ValueError("shardsync init_info: 'inspect_to' needs 'check_fresh' (the checkpoint to compare "
                              "the engine with; writing every tensor to files is test scaffolding, "
