@@ -165,3 +165,28 @@ def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
     assert entry is not None and entry[:5] == [0, 8192, 1, 1, 1]  # pairs, one word, against version 1
     s.rollback()  # version 2 failed: version 1 stays the base, byte for byte
     assert s.history.version(("d", "g", 0)) == 1 and int(s.history.held(("d", "g", 0)).sum()) == 0
+
+
+def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_the_base() -> None:
+    """The delta area is a share of the slot: a payload larger than what is left of it is not written there; the
+    chunk is offered dense (``delta_too_large``) and its bytes are the next version's base all the same."""
+    from shardsync.delta.sender import DeltaSender, area_bytes
+
+    assert area_bytes(4096) == 1024 and area_bytes(0) == 0
+    lay = _layout()
+    units = {"g": [SimpleNamespace(digest="d", chunk=c) for c in lay.chunks]}
+    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
+    u = units["g"][0]
+    region, area = torch.zeros(4096, dtype=torch.uint8), torch.full((64,), 9, dtype=torch.uint8)
+    s.begin(1)
+    s.offer(u, "g", region, area, 8192)
+    s.commit(1)
+    s.begin(2)
+    region[0:400:2] = 1  # 200 changed words: a 1,200-byte pairs payload, more than the 64 bytes left
+    assert s.offer(u, "g", region, area, 8192) is None
+    assert s.stats()["delta_too_large"] == 1 and int(area.sum()) == 9 * 64  # the area was not written
+    s.commit(2)
+    s.begin(3)
+    region[1000] = 5  # one more word: fits
+    entry = s.offer(u, "g", region, area, 8192)
+    assert entry is not None and entry[4] == 2 and s.last_payload == 6  # against version 2's bytes

@@ -69,6 +69,7 @@ def test_delta_where_it_pays_direct_consumers_read_dense_and_always_reads_deltas
             assert [z.mismatched(_few_changed(v)) for z in zoos] == [[], [], []], v
         auto, always, slotted = (z.c.stats for z in zoos)
         assert auto["direct_from"] == [0] and zoos[0].c.held is None and "delta_chunks" not in auto, auto
+        assert auto["delta_from"] == [] and always["delta_from"] == slotted["delta_from"] == [0]  # the choice
         assert always["direct_from"] == [] and always["delta_chunks"] > 0 and always["delta_heals"] == 0, always
         assert slotted["delta_chunks"] > 0 and slotted["bytes_received"] * 10 < auto["bytes_received"], slotted
         assert p.stats["delta_offered"] > 0 and p.stats["delta_skipped"] == 0, p.stats

@@ -181,10 +181,11 @@ class DeltaHistory:
 
     # ------------------------------------------------------------------------------------------- use
     def encode(self, key: Key, new: torch.Tensor, *, checksum: bool | int = False,
-               out: torch.Tensor | None = None) -> codec.Encoded:
+               out: torch.Tensor | None = None, max_payload: int | None = None) -> codec.Encoded:
         """Producer: ``new`` (this version's packed chunk, on any device) as the smallest form against the stored
         base (dense without one); the base becomes ``new`` (undone by ``rollback``). ``checksum``: as for
-        ``codec.encode`` (an int: ``new``'s xxh3-64, computed by the caller)."""
+        ``codec.encode`` (an int: ``new``'s xxh3-64, computed by the caller). ``max_payload``: a delta whose payload
+        would be larger is given as dense instead (``out`` is then not written)."""
         dst = self._touch(key)
         if new.numel() != dst.numel():
             raise DeltaError(f"chunk {key}: {new.numel()} bytes packed, {dst.numel()} registered")
@@ -196,7 +197,11 @@ class DeltaHistory:
             return enc
         old = dst if new.device == dst.device else self._scratch_for(new.device, dst.numel()).copy_(dst)
         idx, vals = codec.changed_words(new, old)
-        enc = codec.encode_changes(new, idx, vals, base=base, out=out, checksum=checksum)
+        k = idx.numel()
+        if max_payload is not None and codec.payload_nbytes(codec.choose(new.numel(), k), new.numel(), k) > max_payload:
+            enc = codec.Encoded(codec.dense(new).header, new, k)  # does not fit: dense (nobody checks it)
+        else:
+            enc = codec.encode_changes(new, idx, vals, base=base, out=out, checksum=checksum)
         if enc.header.kind == codec.DENSE:
             self._log(key, dst, None)
             dst.copy_(new)

@@ -2,11 +2,11 @@
 
 A :class:`DeltaSender` wraps a :class:`~shardsync.delta.DeltaHistory` over this rank's units (key: route key,
 group, chunk index), built on the ring's device at ``_assign`` (again after a plan change: the bases are then
-gone and the next version goes dense). Each ring slot is twice the dense slot: the dense bytes at
-``unit.slot_offset`` as before, and a **delta area** of the same size at ``dense_slot + unit.slot_offset`` (a
-payload is never larger than its chunk). Memory: the history (every served chunk once, plus its undo journal,
-together ``delta_budget_bytes``; default the chunks and an eighth more; allocated at the first chunk some member
-reads as a delta) and the delta areas (as much again as the dense ring).
+gone and the next version goes dense). Each ring slot holds the dense bytes at ``unit.slot_offset`` as before, then
+a **delta area** of a quarter of them (:func:`area_bytes`): the slot's payloads are placed one after the other, and a
+chunk whose payload does not fit in what is left goes dense (``delta_too_large``). Memory: the history (every served
+chunk once, plus its undo journal, together ``delta_budget_bytes``; default the chunks and an eighth more; allocated
+at the first chunk some member may read as a delta) and the delta areas (a quarter of the dense ring).
 
 Per version (``ProducerSync``): ``begin`` before the first pack; after a unit is packed (on the publisher, after
 the pack's event: its one host sync per chunk is not on the serving thread) :meth:`offer` encodes it and, where the
@@ -36,6 +36,9 @@ __all__ = ["DeltaSender", "KIND_CODE", "CODE_KIND", "ENTRY_LEN"]
 KIND_CODE = {codec.PAIRS: 1, codec.BITMAP: 2}
 CODE_KIND = {v: k for k, v in KIND_CODE.items()}
 ENTRY_LEN = 7
+AREA_SHARE = 4
+"""A slot's delta area is a quarter of its dense bytes: room for pairs up to ~8 % of a bf16 chunk's words changed
+(a bitmap up to ~19 %), summed over the slot's chunks; more goes dense."""
 JOURNAL_SHARE = 8
 """Default ``delta_budget_bytes``: the chunks once plus this share of them for the undo journal (a chunk whose undo
 does not fit is dropped on rollback: its next chunk goes dense)."""
@@ -53,8 +56,9 @@ class DeltaSender:
         self.device = device
         self._history: DeltaHistory | None = None
         self._open: int | None = None
-        self.offered = self.dense = self.skipped = 0
-        self.payload_bytes = 0
+        self.offered = self.dense = self.skipped = self.too_large = 0
+        self.payload_bytes = self.last_payload = 0
+        """``last_payload``: bytes of the last payload offered (where the next one in the delta area may start)."""
 
     @property
     def history(self) -> DeltaHistory:
@@ -70,10 +74,11 @@ class DeltaSender:
         h = self._history
         return {"delta_history_bytes": 0 if h is None else h.need + h.journal_bytes, "delta_budget_bytes": self.budget,
                 "delta_offered": self.offered, "delta_dense": self.dense, "delta_skipped": self.skipped,
+                "delta_too_large": self.too_large,
                 "delta_payload_bytes": self.payload_bytes}
 
     def begin(self, version: int) -> None:
-        self.offered = self.dense = self.skipped = self.payload_bytes = 0
+        self.offered = self.dense = self.skipped = self.too_large = self.payload_bytes = 0
         self._open = version
         if self._history is not None:
             self._history.rollback()  # nothing should be open; a version left open by a crash never becomes a base
@@ -101,25 +106,36 @@ class DeltaSender:
     def offer(self, unit: Any, group: str, region: torch.Tensor, area: torch.Tensor,
               offset: int, known_checksum: int | None = None) -> list[int] | None:
         """Encode ``region`` (the unit's packed chunk) against the history; a delta's payload goes to ``area``
-        (the unit's delta area, at ``offset`` in the registered buffer). Returns the ``Ready.deltas`` entry, or
-        None (no base, or dense is no larger): consumers then read the dense bytes. ``known_checksum``: the
+        (what is left of the slot's delta area, at ``offset`` in the registered buffer). Returns the
+        ``Ready.deltas`` entry, or None (no base, dense is no larger, or the payload does not fit in ``area``):
+        consumers then read the dense bytes. ``known_checksum``: the
         region's xxh3-64 where the caller computed it for the chunk (hashed once, not twice; on a GPU the word hash
         is computed instead, where the chunk lies)."""
         key = (unit.digest, group, unit.chunk.index)
         base = self.history.version(key)
         reuse = known_checksum is not None and codec.hash_for(region) == codec.XXH3
         want = (known_checksum if reuse else True) if base is not None else False
-        enc = self.history.encode(key, region, checksum=want, out=area if base is not None else None)
+        enc = self.history.encode(key, region, checksum=want, out=area if base is not None else None,
+                                  max_payload=area.numel())
         h = enc.header
         if h.kind == codec.DENSE:
             self.dense += 1
+            self.too_large += base is not None and enc.changed is not None and \
+                codec.choose(region.numel(), enc.changed) != codec.DENSE
             return None
         if area.is_cuda:  # the payload's writes must land before the Ready goes out (readers copy on their streams)
             torch.cuda.current_stream(area.device).synchronize()
         self.offered += 1
         self.payload_bytes += enc.payload.numel()
+        self.last_payload = enc.payload.numel()
         assert h.base == base and h.checksum is not None
         return [unit.chunk.index, offset, KIND_CODE[h.kind], h.count, h.base, h.checksum, h.hash]
+
+
+def area_bytes(dense_slot: int) -> int:
+    """A ring slot's delta area beside ``dense_slot`` dense bytes: a share of them (a payload that does not fit in
+    what is left of it goes dense)."""
+    return codec_align(-(-dense_slot // AREA_SHARE)) if dense_slot else 0
 
 
 def codec_align(n: int) -> int:

@@ -377,6 +377,7 @@ class Consumer:
                           apply_s=applier.seconds, rejoins=self.rejoins, recv_slots_used=rnd.slots.max_in_use if rnd.slots is not None else 0,
                           recv_bytes=sum(x.numel() for x in self.slots), pulled_from=sorted(rnd.serving),
                           direct_from=sorted(direct), source_groups=rnd.sourced,
+                          delta_from=sorted(p for p, k in sinks.items() if k.takes_deltas),
                           transports={p: getattr(self.transport, "chosen", {}).get(p, self.transport.name)
                                       for p in rnd.serving}, ready_wait_s=rnd.ready_wait_s, read_s=rnd.read_s,
                           **(self.held.stats() if self.held is not None else {}))

@@ -49,7 +49,7 @@ from .producer_sync import ProducerSync
 from .snapshot import PendingSync, Snapshot
 from .sync_context import SyncContext
 from ...security.chunkmac import chunk_key
-from ...delta.sender import DeltaSender
+from ...delta.sender import DeltaSender, area_bytes
 from .same_batches import SameBatches
 from ..source_reads.source_share import SourceShare
 from .units import RingLayout, build_units
@@ -240,9 +240,9 @@ class Producer:
         self.same_batches.reset()  # a new schedule: its batches are checked in full again
         n_slots = cfg.lookahead + 1
         delta = None
-        if cfg.delta:  # a delta area as large as the dense part beside it in every slot
+        if cfg.delta:  # a delta area beside the dense part of every slot (a share of it: delta/sender.py)
             delta = DeltaSender(units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes)
-            dense_slot, slot = slot, 2 * slot
+            dense_slot, slot = slot, slot + area_bytes(slot)
         else:
             dense_slot = slot
         old = self.layout

@@ -27,6 +27,7 @@ from .versions import VersionState
 from ...security.chunkmac import chunk_tag
 from ..protocol.wire import chunk_checksum
 from ...errors import MetadataMismatch, ProducerLost, TransportError
+from ...delta.sender import codec_align
 from ...source import check_tensor
 
 __all__ = ["ProducerSync"]
@@ -267,6 +268,7 @@ class ProducerSync:
 
         def announce() -> None:  # each plan digest's Ready: chunks, with their checksums or keyed tags
             ready: dict[str, m.Ready] = {}
+            area, area_end = base + lay.dense_slot, base + lay.slot_bytes  # the slot's delta area, filled in turn
             for u in units:
                 c = u.chunk
                 region = ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
@@ -278,11 +280,11 @@ class ProducerSync:
                 if delta is not None and not table.any_takes_deltas(live.get(u.digest, set())):
                     delta.skip(u, g)  # every member reads it dense: no encode, and its base is gone
                 elif delta is not None:
-                    at = base + lay.dense_slot + u.slot_offset
-                    entry = delta.offer(u, g, region, ring[at: at + c.nbytes], at,
+                    entry = delta.offer(u, g, region, ring[area: area_end], area,
                                         known_checksum=csum if csum >= 0 else None)
                     if entry is not None:
                         r.deltas.append(entry)
+                        area = min(area_end, area + codec_align(delta.last_payload))
                 if ctx.chunk_key is not None:
                     r.tags.append(chunk_tag(ctx.chunk_key, producer=self.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))
