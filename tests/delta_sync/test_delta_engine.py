@@ -190,3 +190,34 @@ def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_t
     region[1000] = 5  # one more word: fits
     entry = s.offer(u, "g", region, area, 8192)
     assert entry is not None and entry[4] == 2 and s.last_payload == 6  # against version 2's bytes
+
+
+def test_a_delta_offer_that_cannot_be_read_heals_to_dense_not_a_lost_producer() -> None:
+    """An entry whose payload offset lies past the producer's buffer: the payload read fails, and the chunk is read
+    dense in the same sync (``delta_heals``) — the producer is not reported lost, the version does not fail."""
+    from shardsync.engine.consumer.chunksinks import HeldSink
+    from shardsync.errors import TransportError
+
+    lay = _layout()
+    buf = torch.arange(5096, dtype=torch.int64).to(torch.uint8)  # the producer's buffer: the dense bytes at 0
+
+    class Transport:
+        def read(self, p, off, n, dst, *, timeout_s):
+            if off + n > buf.numel():
+                raise TransportError(f"read [{off}, {off + n}) past the {buf.numel()}-byte buffer")
+            dst.copy_(buf[off: off + n])
+
+    lost: list = []
+    ctx = SimpleNamespace(id="c0", transport=Transport(), lease_s=5.0, layouts={"g": lay},
+                          lost=lambda *a: lost.append(a) or RuntimeError("lost"))
+    held = HeldChunks({"g": lay}, device=torch.device("cpu"))
+    held.begin()
+    held.touch("g", 0)
+    held.commit(7)  # chunk 0 held at version 7: an offer against it is taken
+    held.begin()
+    ready = SimpleNamespace(group="g", version=8, chunks=[[0, 0, 4096, -1]], deltas=[[0, 1 << 40, 1, 3, 7, 99, 0]])
+    check = SimpleNamespace(announced=lambda r: iter([(0, lay.chunks[0], 0, 4096, -1, None)]),
+                            verify=lambda *a, **k: None)
+    got = HeldSink(ctx, 0, 8, held).read(ready, check)
+    assert not lost and held.counts["delta_heals"] == 1 and held.counts["delta_dense_chunks"] == 1, held.counts
+    assert torch.equal(held.view("g", 0), buf[:4096]) and got >= 4096

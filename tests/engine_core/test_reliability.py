@@ -119,14 +119,15 @@ def test_coordinator_death_fails_the_others_fast(fault: str) -> None:
 
 
 def test_chaos_wire_attacks_each_bounded_beside_an_exact_sync() -> None:
-    """Floods, dripped handshakes, 20 MB reasons, forged Abandons to every producer, amplifying plans: each during a
-    sync that every consumer completes exact."""
+    """Floods, dripped handshakes, 20 MB reasons, forged Abandons to every producer, amplifying plans, the budget
+    attacks (copies in one group, a whole-model gather, 100k scatters) and a non-member abandoning versions for a
+    lost producer: each during a sync that every consumer completes exact."""
     from shardsync.testing.harness.attacks import BOUNDED
 
-    out = run_chaos(kills=8, seed=2, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=BOUNDED)  # all five
+    out = run_chaos(kills=9, seed=2, replicas=2, tp=1, lease_s=LEASE, cfg=CFG, kinds=BOUNDED)  # all seven
     assert set(out["by_kind"]) == set(BOUNDED), out["by_kind"]
     assert out["deadlocks"] == 0 and out["torn_served"] == 0 and out["mismatched"] == 0
-    assert out["unexpected_failures"] == 0 and out["syncs_completed"] == out["syncs"] == 9, out
+    assert out["unexpected_failures"] == 0 and out["syncs_completed"] == out["syncs"] == 10, out
 
 
 def test_chaos_short_run_all_fault_kinds() -> None:

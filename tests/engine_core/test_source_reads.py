@@ -184,8 +184,27 @@ def test_forged_source_tables_are_refused_naming_the_tensor() -> None:
         for i, (why, blob) in enumerate(bad.items()):
             with pytest.raises(SyncError, match=why):
                 op.tensors(0, f"g{i}", blob, lambda: {"w"})
+        huge = b"\x92" + b"\x00" * op.max_table_bytes  # more than any honest table: refused before decoding
+        with pytest.raises(SyncError, match=r"is \d+ bytes; a table of every tensor"):
+            op.tensors(0, "huge", huge, lambda: {"w"})
     finally:
         t.close()
+
+
+def test_a_consumer_requiring_keyed_tags_refuses_a_group_served_from_source_tensors() -> None:
+    """Source reads carry no keyed tags: a consumer that requires them refuses such a ``Ready`` (a producer never
+    serves one with ``mac``; one that does is not believed) before anything is mapped."""
+    from types import SimpleNamespace
+
+    from shardsync.engine.source_reads.source_open import SourceSink
+    from shardsync.errors import ChunkMacError
+
+    ctx = SimpleNamespace(id="c0", mac_required=lambda: True)
+    inner = SimpleNamespace(holds_ring=True, takes_deltas=False)
+    sink = SourceSink(inner, opener=None, ctx=ctx, p=0)
+    ready = m.Ready(version=3, group="model.layers.0", chunks=[[0, -1, 64, -1]], sources=b"\x92\x90\x90")
+    with pytest.raises(ChunkMacError, match="served group 'model.layers.0'.*from its source tensors"):
+        sink.read(ready, check=None)
 
 
 def test_sources_scatter_the_bytes_a_packed_buffer_does_and_a_missing_one_is_named() -> None:

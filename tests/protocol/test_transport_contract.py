@@ -189,3 +189,49 @@ def test_capabilities_are_declared_not_guessed(name):
     caps = transport_caps(name)
     assert caps.shares_memory == (hasattr(cls, "share") and hasattr(cls, "open_shared")), name
     assert caps.takes_token == ("token" in inspect.signature(cls.__init__).parameters), name
+
+
+@pytest.mark.procs
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ipc_refuses_a_descriptor_claiming_more_than_its_allocation() -> None:
+    """A peer's ``size`` (or ``offset``) past the allocation its handle maps is refused when the storage is opened
+    (``cuMemGetAddressRange``), not read past: a TransportError naming both sizes. The honest one opens."""
+    out, stop = CTX.Queue(), CTX.Event()
+    prod = CTX.Process(target=_share_one, args=(out, stop), daemon=True)
+    prod.start()
+    try:
+        desc = out.get(timeout=120)
+        got = CTX.Queue()
+        cons = CTX.Process(target=_open_forged, args=(desc, got), daemon=True)
+        cons.start()
+        honest, forged = got.get(timeout=120)
+        cons.join(30)
+        assert honest == "ok", honest
+        assert forged.startswith("TransportError") and "does not fit" in forged, forged
+    finally:
+        stop.set()
+        prod.join(30)
+
+
+def _share_one(out, stop) -> None:
+    from shardsync.transport.cuda_ipc import CudaIpcTransport
+
+    t = CudaIpcTransport()
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda:0")
+    out.put(t.share(w))
+    stop.wait(120)
+
+
+def _open_forged(desc, got) -> None:
+    from shardsync.transport.cuda_ipc import CudaIpcTransport
+
+    t = CudaIpcTransport()
+    results = []
+    for d in (desc, {**desc, "size": int(desc["size"]) * 64}):
+        try:
+            s = t.open_shared(0, d)
+            results.append("ok" if s.numel() == int(desc["size"]) else f"size {s.numel()}")
+        except Exception as e:  # noqa: BLE001 - the test reports what it got
+            results.append(f"{type(e).__name__}: {e}")
+    got.put(tuple(results))

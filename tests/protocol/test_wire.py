@@ -220,7 +220,9 @@ def test_corrupted_chunk_is_a_typed_error_naming_group_chunk_and_producer() -> N
 
 
 def test_a_consumer_that_fails_to_start_fails_init_promptly() -> None:
-    p, th, err = _producer(2)
+    """Once the join grace has passed, nobody is recording and registered plus failed consumers fill every slot,
+    init fails naming the failure (a junk Hello cannot do this before the grace: ``test_hardening_members.py``)."""
+    p, th, err = _producer(2, join_grace_s=1.0)
 
     def refuse(metas):
         raise PlanError("vLLM refused the model (test)")

@@ -247,7 +247,8 @@ def test_a_hello_cannot_take_over_a_live_consumer(pair) -> None:
 def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_budget(pair) -> None:
     p0, p1, z = pair
     co = p0.coordinator
-    base_keys, base_plans, budget = set(co.routes), set(co.plans), co.max_routed_bytes
+    base_keys, base_plans, budget, bound = set(co.routes), set(co.plans), co.max_routed_bytes, co.max_group_bytes
+    co.max_group_bytes = 1 << 40  # the one-group bound apart (test_hardening_budgets.py): the routed budget here
     c = ControlClient(p0.address, TOKEN, peer="coordinator")
     one = forged_plan([x.to_dict() for x in co.metadata], "evil0", "amplify")
     per_plan = sum(s.nbytes for g in one.groups for s in g.scatters)
@@ -269,7 +270,7 @@ def test_plans_of_consumers_that_left_are_pruned_and_all_plans_together_have_a_b
         for cid, s in sessions.items():
             c.call(m.Goodbye(consumer=cid, session=s), timeout_s=10)
     finally:
-        co.max_routed_bytes = budget
+        co.max_routed_bytes, co.max_group_bytes = budget, bound
         c.close()
     _sync2(p0, p1, [z], max(p1.versions) + 1)  # the next version prunes them: nothing packed for the departed
     assert set(co.routes) == base_keys and set(co.plans) == base_plans, (set(co.routes), base_keys)

@@ -32,8 +32,8 @@ from ..plan.pack import ALIGN, ChunkParts, GroupLayout
 
 __all__ = ["HeldChunks", "read_held", "parse_offers"]
 
-Fetch = Callable[[int, int, torch.Tensor], None]
-"""``fetch(offset, nbytes, dst)``: ``nbytes`` of the producer's buffer at ``offset`` into ``dst``."""
+Fetch = Callable[..., None]
+"""``fetch(offset, nbytes, dst, payload=False)``: ``nbytes`` of the producer's buffer at ``offset`` into ``dst``."""
 Verify = Callable[..., None]
 """``verify(data, checksum, tag, group, chunk, hashed=None)``: raises ChecksumError (or ChunkMacError) for bytes
 that are not the producer's."""
@@ -140,7 +140,8 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     version held, else dense; returns the bytes read (the wire bytes).
 
     ``announced``: the reader's checked chunks of ``ready`` (index, layout entry, offset, bytes, checksum, tag);
-    ``fetch(offset, nbytes, dst)``: read bytes of producer ``p``'s buffer (its errors are the reader's to type);
+    ``fetch(offset, nbytes, dst, payload=False)``: read bytes of producer ``p``'s buffer (its errors are the reader's
+    to type; with ``payload``, a delta's: a ``DeltaError`` where it cannot be read, healed with the dense bytes);
     ``verify(data, checksum, tag, group, chunk[, hashed=])``: the chunk's own checksum or keyed tag (ChecksumError);
     ``where``: who reads what, for errors."""
     group = ready.group
@@ -155,10 +156,10 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
             d_off, h = offer
             size = codec.payload_nbytes(h.kind, n, h.count)
             buf = held.staging(p)[:size]
-            if size:
-                fetch(d_off, size, buf)
             got += size
             try:
+                if size:
+                    fetch(d_off, size, buf, payload=True)  # a DeltaError where the offer cannot be read
                 codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
                 codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
                 # its own checksum / keyed tag (the xxh3 just computed is not computed twice)

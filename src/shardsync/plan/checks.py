@@ -21,13 +21,27 @@ from . import opcodec
 from .pack import apply_op, replay
 from .opcodec import VIEW_OPS
 
-__all__ = ["check_plan", "MAX_EXPANSION"]
+__all__ = ["check_plan", "max_scatters", "MAX_EXPANSION", "MAX_SCATTERS_PER_TENSOR", "SCATTER_SLACK"]
 
 MAX_EXPANSION = 64
 """A scatter may carry at most this many times its source's elements (``expand`` replicates)."""
+MAX_SCATTERS_PER_TENSOR = 16
+"""Scatters one plan may have per trainer tensor (beside ``SCATTER_SLACK``): packing and checks cost per scatter."""
+SCATTER_SLACK = 4096
+
+
+def max_scatters(n_tensors: int) -> int:
+    """The most scatters one plan may have: ``MAX_SCATTERS_PER_TENSOR`` per trainer tensor, plus ``SCATTER_SLACK``
+    (a loader's plan has about one per tensor it reads; a TP slice, a fused split or an expert a few)."""
+    return MAX_SCATTERS_PER_TENSOR * n_tensors + SCATTER_SLACK
 
 
 def check_plan(plan: Plan, metadata: Sequence[ParamMeta]) -> None:
+    n = sum(len(g.scatters) for g in plan.groups)  # counted first: the checks below cost per scatter
+    if n > max_scatters(len(metadata)):
+        raise PlanError(f"consumer {plan.consumer!r}: plan has {n} scatters, more than {max_scatters(len(metadata))} "
+                        f"({MAX_SCATTERS_PER_TENSOR} per trainer tensor, {len(metadata)} tensors, + {SCATTER_SLACK}): "
+                        "packing and checking cost per scatter")
     metas = {m.name: m for m in metadata}
     fallback = {f.src for f in plan.fallback}
     for g in plan.groups:

@@ -100,8 +100,9 @@ def run_chaos(*, kills: int = 20, seed: int = 0, producers: int = 2, replicas: i
                       producer_extra={"straggler_s": straggler_s}) as cl:
         n_reads = 6  # every consumer reads at least one chunk per group (pre, 4 layers, post)
         v = 0
+        first = rng.sample(kinds, len(kinds))  # every kind once (in a random order) where the kills allow
         for i in range(kills):
-            kind = rng.choice(kinds)
+            kind = first[i] if i < len(first) else rng.choice(kinds)
             tally.by_kind[kind] += 1
             v += 1
             cons = [k for k in cl.alive() if not isinstance(k, int)]

@@ -7,6 +7,11 @@
   cap the OLDEST such connection (of that address, else of all) is cut, not the new one: a legitimate peer's
   handshake takes milliseconds, so a flood of idle connections cannot lock legitimate peers out (on loopback every
   peer has the same address), and the threads serving handshakes stay bounded.
+* Authenticated connections are capped too where a server asks (``max_authed``: the control servers; a token holder
+  is still a peer): ``max_authed`` in all and
+  ``max_authed_per_source`` from one address; over a cap the connection idle the longest (of that address, else of
+  all) is cut — one being answered never is, and if every one is busy the new connection is refused. Clients
+  reconnect on their next call, so a cut idle connection costs a legitimate peer one reconnect.
 * A handshake has ONE wall-clock deadline (``deadline_s`` from accept), not a per-``recv`` timeout: a peer that drips
   a byte at a time is cut off when it expires (a watchdog thread shuts its socket down).
 * Refusals are counted by reason (``refused``) and logged, rate-limited.
@@ -16,14 +21,15 @@
     def serve(conn):            # on its own thread
         try:
             if not handshake(conn): return
-            admission.passed(conn)     # authenticated: no longer counted, no deadline
-            ...
+            if not admission.passed(conn): return   # authenticated: no deadline; False: over the caps
+            admission.busy(conn, True); ...; admission.busy(conn, False)   # around each request
         finally:
             admission.release(conn)    # idempotent
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -32,13 +38,17 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-__all__ = ["Admission", "accept_loop", "MAX_PENDING", "MAX_PER_SOURCE"]
+__all__ = ["Admission", "accept_loop", "MAX_PENDING", "MAX_PER_SOURCE", "MAX_AUTHED", "MAX_AUTHED_PER_SOURCE"]
 log = logging.getLogger("shardsync.admission")
 
 MAX_PENDING = 128
 """Unauthenticated connections one server holds at once."""
 MAX_PER_SOURCE = 32
 """Unauthenticated connections one source address holds at once."""
+MAX_AUTHED = 1024
+"""Authenticated connections (each a serving thread) one server holds at once."""
+MAX_AUTHED_PER_SOURCE = 256
+"""Authenticated connections one source address holds at once (a node's engines: a few per consumer and producer)."""
 _FATAL = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
 """accept() errors that mean the listening socket itself is gone."""
 
@@ -61,11 +71,15 @@ class Admission:
     """Bookkeeping of a server's not-yet-authenticated connections (see the module docstring)."""
 
     def __init__(self, name: str, *, deadline_s: float = 10.0, max_pending: int = MAX_PENDING,
-                 max_per_source: int = MAX_PER_SOURCE) -> None:
+                 max_per_source: int = MAX_PER_SOURCE, max_authed: int | None = None,
+                 max_authed_per_source: int = MAX_AUTHED_PER_SOURCE) -> None:
         self.name, self.deadline_s = name, deadline_s
         self.max_pending, self.max_per_source = max_pending, max_per_source
+        self.max_authed, self.max_authed_per_source = max_authed, max_authed_per_source
+        self._authed: dict[socket.socket, list] = {}  # conn -> [source, last active (monotonic), busy]
         self.refused: dict[str, int] = defaultdict(int)
-        """Refusals by reason: ``capacity`` (cut: over a cap), ``deadline`` (handshake too slow), ``token`` (wrong
+        """Refusals by reason: ``capacity`` (cut: over a cap), ``authed_capacity`` (an idle authenticated connection
+        cut, or a new one refused, over the authenticated caps), ``deadline`` (handshake too slow), ``token`` (wrong
         token; counted by the server through :meth:`refuse`), ``mac`` (a control frame whose MAC is wrong: its
         connection is closed), ``accept_error`` (transient accept failures), ``no_thread`` (no thread could be
         started)."""
@@ -95,12 +109,49 @@ class Admission:
             self._cut(victim, "capacity", f"{src} (caps {self.max_pending} unauthenticated connections, "
                                           f"{self.max_per_source} per address: the oldest is cut)")
 
-    def passed(self, conn: socket.socket) -> None:
-        """The connection authenticated: it leaves the caps and its deadline."""
+    def passed(self, conn: socket.socket) -> bool:
+        """The connection authenticated: it leaves the handshake caps and its deadline and joins the authenticated
+        ones; over their caps the longest-idle one is cut (False: every one is busy, refuse this one)."""
+        with self._lock:
+            src = self._pending.get(conn, ("?", 0.0))[0]
         self._forget(conn)
+        if self.max_authed is None:  # authenticated connections not tracked (a data server: its own bounds)
+            return True
+        with self._lock:
+            mine = [c for c, e in self._authed.items() if e[0] == src]
+            pool = mine if len(mine) >= self.max_authed_per_source else \
+                list(self._authed) if len(self._authed) >= self.max_authed else []
+            idle = [c for c in pool if not self._authed[c][2]]
+            victim = min(idle, key=lambda c: self._authed[c][1], default=None)
+            full = bool(pool) and victim is None
+            if victim is not None:
+                del self._authed[victim]
+            if not full:
+                self._authed[conn] = [src, time.monotonic(), False]
+        if victim is not None or full:
+            why = (f"{src} (caps {self.max_authed} authenticated connections, {self.max_authed_per_source} per "
+                   "address: " + ("every one is busy, this one is refused)" if full else "the longest idle is cut)"))
+            self.refuse("authed_capacity", why)
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)
+        return not full
+
+    def busy(self, conn: socket.socket, on: bool) -> None:
+        """An authenticated connection starts (``on``) or ends a request: a busy one is never cut."""
+        with self._lock:
+            e = self._authed.get(conn)
+            if e is not None:
+                e[1], e[2] = time.monotonic(), on
+
+    def authed(self) -> int:
+        with self._lock:
+            return len(self._authed)
 
     def release(self, conn: socket.socket) -> None:
         self._forget(conn)
+        with self._lock:
+            self._authed.pop(conn, None)
 
     def refuse(self, reason: str, peer: Any = "") -> None:
         self.refused[reason] += 1

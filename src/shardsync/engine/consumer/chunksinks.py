@@ -38,7 +38,7 @@ from .recvslots import SlotPool
 from ..protocol import messages as m
 from ..source_reads.source_open import SourceOpener, SourceSink
 from ...delta.receiver import HeldChunks, read_held
-from ...errors import ChecksumError, SyncError, TransportError
+from ...errors import ChecksumError, DeltaError, SyncError, TransportError
 from ...plan.pack import Chunk, Sources
 
 __all__ = ["ChunkCheck", "ChunkSink", "PathSink", "SlotSink", "DirectSink", "HeldSink", "choose_sink"]
@@ -183,13 +183,15 @@ class HeldSink:
     def read(self, ready: m.Ready, check: ChunkCheck) -> int:
         ctx, p, group = self.ctx, self.p, ready.group
 
-        def fetch(off: int, n: int, dst: torch.Tensor) -> None:
+        def fetch(off: int, n: int, dst: torch.Tensor, payload: bool = False) -> None:
             try:
                 ctx.transport.read(p, off, n, dst, timeout_s=max(ctx.lease_s, n / 50e6))
             except TransportError as e:
                 if isinstance(e, ChecksumError):
                     raise
-                raise ctx.lost(p, self.version, group, e) from None
+                if payload:  # an offer that cannot be read (an offset past the buffer): heal with the dense bytes,
+                    raise DeltaError(f"delta payload at [{off}, {off + n}) of producer {p}: {e}") from None  # whose
+                raise ctx.lost(p, self.version, group, e) from None  # own read says whether the producer is lost
 
         got = read_held(self.held, p, ready, check.announced(ready), fetch=fetch, verify=check.verify,
                         where=f"consumer {ctx.id}: producer {p}, group {group!r}, version {self.version}")

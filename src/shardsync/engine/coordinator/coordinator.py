@@ -7,8 +7,10 @@ Init (each wait bounded by ``init_timeout_s`` and naming who is missing):
    producers joined; they record their plans and ``RegisterPlan`` (checked: ops allow-listed, views in
    bounds, sizes bounded by the model — a forged plan is refused naming the consumer);
 3. routes are computed once all ``n_consumers`` registered, or once ``min_consumers`` did and
-   ``join_grace_s`` passed; a consumer that fails to start (``InitFailed``, or its lease expires before
-   it registers) fails init at once when the quorum can no longer be reached;
+   ``join_grace_s`` passed; the quorum counts registered plans only: consumers that fail to start
+   (``InitFailed``, or a lease that expires before a plan is registered — a junk Hello's too) end init early
+   only once the grace has passed, nobody is still recording and registered plus failed fill every slot;
+   else init waits (``init_timeout_s``, naming them);
 4. producers fetch their ``Assignments``, allocate and register their rings, report ``ProducerReady``.
 
 After init, a consumer that (re)joins is routed on registration (a known plan digest reuses its
@@ -28,7 +30,7 @@ from typing import Any, Callable, Sequence
 from ..protocol import messages as m
 from .membership import Membership
 from ...errors import MetadataMismatch, NotMember, PlanError, ProducerLost, SyncError, TransportError
-from ...plan.checks import check_plan
+from ...plan.checks import check_plan, max_scatters
 from ...plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from ...types import ParamMeta, Plan, metadata_digest
 
@@ -40,20 +42,52 @@ def _payload(plan: Plan) -> int:
 
 MAX_ROUTED_COPIES = 64
 """Default bound of all routed plans together, in copies of the model (``ProducerConfig.max_routed_bytes``)."""
+MAX_SLOT_GROUPS = 4
+"""Default bound of one group over all routed plans, in copies of the model's largest weight group
+(``ProducerConfig.max_group_bytes``): room for four distinct layouts (TP degrees) of every group at once."""
+
+
+def group_bytes(plans: Sequence[Plan]) -> dict[str, int]:
+    """Group -> the bytes every plan together has packed for it each sync: what one ring slot holds (from the
+    scatters: a plan's own byte counts are not trusted)."""
+    out: dict[str, int] = defaultdict(int)
+    for plan in plans:
+        for g in plan.groups:
+            out[g.name] += sum(s.nbytes for s in g.scatters)
+    return dict(out)
+
+
+def group_sources(plans: Sequence[Plan], nbytes: dict[str, int]) -> dict[str, int]:
+    """Group -> full-tensor bytes of the distinct sources the plans read for it: what a producer gathers at once."""
+    srcs: dict[str, set[str]] = defaultdict(set)
+    for plan in plans:
+        for g in plan.groups:
+            srcs[g.name].update(s.src for s in g.scatters)
+    return {g: sum(nbytes.get(n, 0) for n in names) for g, names in srcs.items()}
 
 
 class Coordinator:
     def __init__(self, *, metadata: Sequence[ParamMeta], n_producers: int, n_consumers: int,
                  max_chunk_bytes: int, timeout_s: float, init_timeout_s: float, lease_s: float,
                  min_consumers: int | None = None, join_grace_s: float = 30.0,
-                 max_routed_bytes: int | None = None, mac: bool = False):
+                 max_routed_bytes: int | None = None, max_group_bytes: int | None = None, mac: bool = False):
         self.metadata = list(metadata)
         self.mac = mac
         """Rank 0 runs with ``ProducerConfig.mac``: every rank must (a rank that differs fails init, naming it)."""
         model_bytes = max(sum(x.nbytes for x in self.metadata), 1)
         self.max_routed_bytes = MAX_ROUTED_COPIES * model_bytes if max_routed_bytes is None else max_routed_bytes
         """What all routed plans together may carry per sync (each route key's plan counted once): the bound on
-        what producers pack, so the ring. Past it a consumer's plan is refused, naming it."""
+        what producers pack. Past it a consumer's plan is refused, naming it."""
+        from ...plan.groups import weight_group
+
+        whole: dict[str, int] = defaultdict(int)
+        for x in self.metadata:
+            whole[weight_group(x.name)] += x.nbytes
+        self.max_group_bytes = MAX_SLOT_GROUPS * max(whole.values(), default=1) if max_group_bytes is None \
+            else max_group_bytes
+        """What one group may carry over all routed plans, and what its sources may weigh: the bound on a ring slot
+        (a slot holds one group of every plan) and on a producer's gather peak. Past it a plan is refused."""
+        self.nbytes = {x.name: x.nbytes for x in self.metadata}
         self.digest = metadata_digest(self.metadata)
         self.n_producers, self.n_consumers = n_producers, n_consumers
         self.min_consumers = n_consumers if min_consumers is None else min_consumers
@@ -111,13 +145,18 @@ class Coordinator:
         if self.routes is not None or self.failed is not None or len(self.ms.producers) < self.n_producers:
             return
         reg = {c: e.digest for c, e in self.ms.consumers.items() if e.digest is not None}
-        possible = self.n_consumers - len(self.ms.failed_init)
-        if possible < self.min_consumers:
-            self.failed = SyncError(f"coordinator: init cannot reach its quorum of {self.min_consumers} consumers: "
-                                    + "; ".join(f"{c} failed: {r}" for c, r in sorted(self.ms.failed_init.items())))
+        grace = time.monotonic() - self.t_start >= self.join_grace_s
+        failed = self.ms.failed_init
+        recording = any(e.digest is None for e in self.ms.consumers.values())
+        if failed and len(reg) < self.min_consumers and grace and not recording \
+                and len(reg) + len(failed) >= self.n_consumers:
+            # the quorum counts registered plans only: a failure (or a junk Hello's lapsed lease) ends init early
+            # only once the grace has passed with nobody still recording and every slot accounted for
+            self.failed = SyncError(f"coordinator: init cannot reach its quorum of {self.min_consumers} consumers "
+                                    f"(registered {sorted(reg)}): "
+                                    + "; ".join(f"{c} failed: {r}" for c, r in sorted(failed.items())))
             self.cv.notify_all()
             return
-        grace = time.monotonic() - self.t_start >= self.join_grace_s
         if len(reg) < self.n_consumers and not (grace and len(reg) >= self.min_consumers):
             return
         count: dict[str, int] = defaultdict(int)
@@ -147,9 +186,9 @@ class Coordinator:
                 f"producer {msg.rank} runs with mac={msg.mac}, producer 0 with mac={self.mac}: every trainer rank "
                 "of a group must be given the same ProducerConfig.mac"))
         with self.cv:
-            inc = self.ms.join(msg.rank, msg.address, msg.held, msg.node)
+            inc, cred = self.ms.join(msg.rank, msg.address, msg.held, msg.node)
             self.cv.notify_all()
-        return m.Joined(incarnation=inc)
+        return m.Joined(incarnation=inc, credential=cred)
 
     def _on_Renew(self, msg: m.Renew) -> m.Msg:
         with self.cv:
@@ -214,11 +253,27 @@ class Coordinator:
             return
         self._prune_routes()
         keys = self._keys()
-        total = sum(_payload(self.plans[digest_of(k)]) for k in keys if digest_of(k) in self.plans) + _payload(plan)
+        plans = [self.plans[d] for d in {digest_of(k) for k in keys} if d in self.plans]
+        total = sum(_payload(p) for p in plans) + _payload(plan)
         if total > self.max_routed_bytes:
             raise PlanError(f"consumer {consumer!r}: its plan ({_payload(plan)} bytes a sync) would make the group's "
                             f"routed plans carry {total} bytes a sync ({len(keys) + 1} route keys), over the budget of "
                             f"{self.max_routed_bytes} (ProducerConfig.max_routed_bytes)")
+        if plan.digest not in {p.digest for p in plans}:
+            plans.append(plan)
+        scatters = sum(len(g.scatters) for p in plans for g in p.groups)
+        if scatters > MAX_ROUTED_COPIES * max_scatters(len(self.metadata)) // 4:
+            raise PlanError(f"consumer {consumer!r}: with its plan the routed plans would have {scatters} scatters, "
+                            f"more than {MAX_ROUTED_COPIES // 4}x what one plan may have "
+                            f"({max_scatters(len(self.metadata))}): producers pack per scatter")
+        for what, per in (("gather sources of", group_sources(plans, self.nbytes)), ("carry", group_bytes(plans))):
+            g, most = max(per.items(), key=lambda kv: kv[1], default=("", 0))
+            if most > self.max_group_bytes:
+                own = group_bytes([plan]).get(g, 0) if what == "carry" else group_sources([plan], self.nbytes).get(g, 0)
+                raise PlanError(f"consumer {consumer!r}: with its plan ({own} bytes of group {g!r}) the routed plans "
+                                f"would {what} {most} bytes in group {g!r}, over the bound of {self.max_group_bytes} "
+                                "on one group (ProducerConfig.max_group_bytes: a ring slot and a gather hold a group "
+                                "of every plan)")
 
     def _prune_routes(self) -> None:
         """Drop the route keys (and plans) no live consumer uses any more: producers stop packing for consumers that
@@ -269,13 +324,14 @@ class Coordinator:
 
     def _on_SyncFailed(self, msg: m.SyncFailed) -> m.Msg:
         with self.cv:
+            self.ms.proven(msg.rank, msg.incarnation, msg.credential)  # only the rank itself fails a version
             self.ms.fail_version(msg.version, f"producer {msg.rank}: {msg.reason}")
             self.cv.notify_all()
         return m.Ack()
 
     def _on_Straggler(self, msg: m.Straggler) -> m.Msg:
         with self.cv:
-            self.ms.producer(msg.rank, msg.incarnation)  # only a current producer rank drops a member
+            self.ms.proven(msg.rank, msg.incarnation, msg.credential)  # only a current producer rank drops a member
             if self.ms.late(msg.version, msg.consumer, msg.session, f"producer {msg.rank}: {msg.reason}"):
                 self.cv.notify_all()
         return m.Ack()
@@ -283,7 +339,8 @@ class Coordinator:
     def _on_Abandon(self, msg: m.Abandon) -> None:
         with self.cv:
             self.ms.abandon(msg.version, msg.consumer, msg.session, msg.reason)
-            if msg.lost_producer >= 0:
+            if msg.lost_producer >= 0 and self.ms.on_route(msg.version, msg.consumer, msg.session, msg.lost_producer,
+                                                           self.routes):  # only a member pulling from it
                 self.ms.fail_version(msg.version, f"consumer {msg.consumer} lost producer {msg.lost_producer}: "
                                                   f"{msg.reason}")
             self.cv.notify_all()

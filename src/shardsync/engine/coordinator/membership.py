@@ -62,6 +62,7 @@ class _Producer:
     lease_until: float
     desc: dict[str, Any] | None = None
     ready_version: int = -2
+    credential: str = ""
     node: str = ""
 
 
@@ -191,12 +192,30 @@ class Membership:
                                                          f"no heartbeat for {self.lease_s:g} s")
 
     # -------------------------------------------------------------- producers
-    def join(self, rank: int, address: list[Any], held: list[str] | None, node: str = "") -> int:
+    def join(self, rank: int, address: list[Any], held: list[str] | None, node: str = "") -> tuple[int, str]:
+        """(incarnation, credential) of the rank's new incarnation."""
         old = self.producers.get(rank)
         inc = 0 if old is None else old.incarnation + 1
-        self.producers[rank] = _Producer(inc, address, held, self.clock() + self.lease_s, node=node)
+        cred = secrets.token_hex(16)
+        self.producers[rank] = _Producer(inc, address, held, self.clock() + self.lease_s, node=node, credential=cred)
         self.dead_producers.pop(rank, None)
-        return inc
+        return inc, cred
+
+    def proven(self, rank: int, incarnation: int, credential: str) -> _Producer:
+        """The producer, if ``credential`` is its current incarnation's (else ``AuthError``)."""
+        p = self.producer(rank, incarnation)
+        if not credential or not hmac.compare_digest(p.credential, credential):
+            raise AuthError(f"producer {rank}: the credential of incarnation {incarnation} does not match")
+        return p
+
+    def on_route(self, version: int, cid: str, session: str, producer: int,
+                 routes: dict[str, dict[str, list[int]]] | None) -> bool:
+        """Whether ``cid`` with ``session`` is a member of ``version`` whose routes pull from ``producer``."""
+        v = self.versions.get(version)
+        c = self.consumers.get(cid)
+        if v is None or c is None or v.members.get(cid, ("", ""))[1] != session or routes is None:
+            return False
+        return any(producer in per for per in routes.get(v.members[cid][0], {}).values())
 
     def producer(self, rank: int, incarnation: int) -> _Producer:
         p = self.producers.get(rank)

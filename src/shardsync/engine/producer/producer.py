@@ -72,7 +72,7 @@ class Producer:
             metadata=self.metas, n_producers=cfg.n_producers, n_consumers=cfg.n_consumers,
             max_chunk_bytes=cfg.max_chunk_bytes, timeout_s=cfg.timeout_s, init_timeout_s=cfg.init_timeout_s,
             lease_s=cfg.lease_s, min_consumers=cfg.min_consumers, join_grace_s=cfg.join_grace_s,
-            max_routed_bytes=cfg.max_routed_bytes, mac=cfg.mac) \
+            max_routed_bytes=cfg.max_routed_bytes, max_group_bytes=cfg.max_group_bytes, mac=cfg.mac) \
             if cfg.rank == 0 else None
         self.server = ControlServer(cfg.host, cfg.port, cfg.token, self._handle, advertise_host=cfg.advertise_host,
                                     max_frame_bytes=cfg.max_frame_bytes, name=f"producer{cfg.rank}", mac=cfg.mac)
@@ -88,6 +88,8 @@ class Producer:
         self.layout: RingLayout | None = None
         """This epoch's units, schedule, ring and delta sender (``units.py``; None before init)."""
         self.heartbeat: Heartbeat | None = None
+        self.incarnation, self.credential = -1, ""
+        """This rank's incarnation and its secret (``Joined``), from ``init``."""
         self._pending: PendingSync | None = None
         self.stats: dict[str, Any] = {}
         self.lane = Lane(cfg.device)
@@ -186,7 +188,8 @@ class Producer:
         held) and best effort: without it the other producers still drop the straggler by their own clocks, and the
         outcome waits for it at most ``timeout_s``."""
         msgs = [m.Straggler(rank=self.cfg.rank, incarnation=getattr(self, "incarnation", 0), version=version,
-                            consumer=cid, session=session, reason=why) for cid, session, why in late]
+                            consumer=cid, session=session, reason=why, credential=self.credential)
+                for cid, session, why in late]
         client, bound = self.client, min(5.0, self.cfg.lease_s + 1)
 
         def tell() -> None:
@@ -207,7 +210,8 @@ class Producer:
                                     max_frame_bytes=cfg.max_frame_bytes, require_mac=cfg.mac)
         self._join = m.Join(rank=cfg.rank, address=self.address, held=None if held is None else sorted(held),
                             meta_digest=metadata_digest(self.metas), node=cfg.node, mac=cfg.mac)
-        self.incarnation = self.client.call(self._join, timeout_s=cfg.init_timeout_s).incarnation
+        joined = self.client.call(self._join, timeout_s=cfg.init_timeout_s)
+        self.incarnation, self.credential = joined.incarnation, joined.credential
         if cfg.rank != 0:
             self.heartbeat = Heartbeat(coord, cfg.token, m.Renew(rank=cfg.rank, incarnation=self.incarnation),
                                        lease_s=cfg.lease_s, who=f"producer {cfg.rank}", on_change=self.table.wake,
@@ -220,7 +224,8 @@ class Producer:
         """Our lease lapsed (a pause, a starved process): the sync in flight has failed for everyone; join again
         as a new incarnation with the same ring, so the next sync includes this rank."""
         assert self.heartbeat is not None
-        self.incarnation = self.client.call(self._join, timeout_s=self.cfg.timeout_s).incarnation
+        joined = self.client.call(self._join, timeout_s=self.cfg.timeout_s)
+        self.incarnation, self.credential = joined.incarnation, joined.credential
         self.heartbeat.set_renew(m.Renew(rank=self.cfg.rank, incarnation=self.incarnation))
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=-1, desc=self.desc),
                          timeout_s=self.cfg.timeout_s)
@@ -246,11 +251,14 @@ class Producer:
         else:
             dense_slot = slot
         old = self.layout
-        if old is None or slot > old.slot_bytes:
-            if old is not None:  # a rejoiner's plan needs bigger slots: a new ring, a new descriptor
+        shrink = old is not None and self._own_transport and slot <= old.slot_bytes // 2  # plans went: give it back
+        if old is None or slot > old.slot_bytes or shrink:
+            if old is not None:  # a rejoiner's plan needs bigger slots, or plans left: a new ring, a new descriptor
                 if not self._own_transport:
                     raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
                                     f"{old.slot_bytes}) and the transport was passed in: it cannot be re-registered")
+                self.layout = None
+                del old
                 self.transport.close()
                 self.transport = self._make_transport()
             slot_bytes = slot
@@ -353,10 +361,14 @@ class Producer:
         if getattr(e, "_shardsync_reported", False):
             return
         with suppress(Exception):  # within a lease: the coordinator may be what failed (stopped: it would not answer)
-            self.client.call(m.SyncFailed(rank=self.cfg.rank, version=version, reason=why),
-                             timeout_s=min(5.0, self.cfg.lease_s + 1))
+            self.client.call(self.sync_failed(version, why), timeout_s=min(5.0, self.cfg.lease_s + 1))
         with suppress(Exception):
             e._shardsync_reported = True  # type: ignore[attr-defined]
+
+    def sync_failed(self, version: int, why: str) -> m.SyncFailed:
+        """The message that fails ``version`` for every rank, proven by this incarnation's credential."""
+        return m.SyncFailed(rank=self.cfg.rank, version=version, reason=why, incarnation=self.incarnation,
+                            credential=self.credential)
 
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer

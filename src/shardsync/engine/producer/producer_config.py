@@ -48,6 +48,11 @@ class ProducerConfig(GroupSettings):
     """Rank 0: what all consumers' routed plans together may carry a sync (None: 64 copies of the model). A plan
     past it is refused at its registration, naming the consumer: no buggy or hostile engine grows the rings (trainer
     memory, GPU memory with ``device``) without bound. Plans of consumers that left are pruned at the next version."""
+    max_group_bytes: int | None = None
+    """Rank 0: what one weight group may carry over all routed plans together, and what the full tensors it reads
+    may weigh (None: four times the model's largest weight group). A ring slot holds one group of every plan and a
+    gather one group's sources, so this bounds the ring (``lookahead + 1`` slots) and the gather peak whatever the
+    plans; a plan past it is refused at its registration, naming the consumer and the group."""
     device: str | None = None
     """Where the ring lives and packing runs (``"cuda:0"``; None: CPU memory). With a GPU the ring is allocated
     there once (``stats["ring_bytes"]``: subtract it from what the trainer may use), replay + pack run on a side

@@ -24,6 +24,7 @@ request; a client whose connection broke reconnects on its next call::
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 from collections import defaultdict, deque
@@ -32,7 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from ...errors import AuthError, FrameMacError, ShardsyncError, TransportError
-from ...security.admission import MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
+from ...security.admission import MAX_AUTHED, MAX_AUTHED_PER_SOURCE, MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
 from ...security.framemac import FrameMac
 from ...transport.tcp import advertised
 from .messages import Fail, Msg, clip, decode, encode
@@ -58,8 +59,9 @@ class ControlServer:
 
     def __init__(self, host: str, port: int, token: str, handler: Callable[[Msg], Msg], *,
                  advertise_host: str | None = None, max_frame_bytes: int = DEFAULT_MAX_FRAME,
-                 idle_timeout_s: float = 3600.0, auth_timeout_s: float = 10.0, name: str = "control",
-                 max_pending: int = MAX_PENDING, max_per_source: int = MAX_PER_SOURCE, mac: bool = False):
+                 idle_timeout_s: float = 600.0, auth_timeout_s: float = 10.0, name: str = "control",
+                 max_pending: int = MAX_PENDING, max_per_source: int = MAX_PER_SOURCE, mac: bool = False,
+                 max_authed: int = MAX_AUTHED, max_authed_per_source: int = MAX_AUTHED_PER_SOURCE):
         self.token, self.handler, self.name, self.mac = token, handler, name, mac
         self.max_frame_bytes, self.idle_timeout_s, self.auth_timeout_s = max_frame_bytes, idle_timeout_s, auth_timeout_s
         self._sock = socket.create_server((host, port))
@@ -74,8 +76,10 @@ class ControlServer:
         self._refused_from: deque[str] = deque(maxlen=REFUSED_KEPT)
         self.handler_errors = 0
         self.admission = Admission(name, deadline_s=auth_timeout_s, max_pending=max_pending,
-                                   max_per_source=max_per_source)
-        """Unauthenticated connections: capped per server and per source address, one handshake deadline."""
+                                   max_per_source=max_per_source, max_authed=max_authed,
+                                   max_authed_per_source=max_authed_per_source)
+        """Connections: unauthenticated ones capped per server and per source address with one handshake deadline;
+        authenticated ones capped too (the longest idle cut), and idle ones closed after ``idle_timeout_s``."""
         self._thread = threading.Thread(target=accept_loop, args=(self._sock, self._closed, self._serve_tracked,
                                                                   f"shardsync-{name}-conn", self.admission),
                                         name=f"shardsync-{name}-accept", daemon=True)
@@ -127,7 +131,8 @@ class ControlServer:
                                     on_refused=lambda: self._refuse(conn), mac=self.mac)
             if auth is None:
                 return
-            self.admission.passed(conn)
+            if not self.admission.passed(conn):  # over the authenticated caps with every one busy
+                return
             conn.settimeout(self.idle_timeout_s)
             while not self._closed.is_set():
                 try:
@@ -147,10 +152,12 @@ class ControlServer:
                 kind = type(msg).__name__
                 with self._lock:
                     self._inflight[kind] += 1
+                self.admission.busy(conn, True)
                 try:
                     reply = self._handle(msg)
                     send_frame(conn, encode(reply), auth.frames)
                 finally:
+                    self.admission.busy(conn, False)
                     with self._lock:
                         self._inflight[kind] -= 1
         except (ConnectionError, socket.timeout, OSError):
@@ -185,6 +192,24 @@ class ControlServer:
             except OSError:
                 pass
         self._thread.join(timeout=2)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed by its server (readable at once with nothing to read: EOF); a call
+    then reconnects first instead of failing."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return False
+        sock.setblocking(False)
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        finally:
+            sock.setblocking(True)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _peer(conn: socket.socket) -> str:
@@ -241,6 +266,8 @@ class ControlClient:
 
     def call(self, msg: Msg, *, timeout_s: float) -> Msg:
         with self._lock:
+            if self._sock is not None and _closed_by_peer(self._sock):  # cut while idle (a server's idle timeout or
+                self._break()                                         # its connection caps): nothing was sent
             sock = self._sock or self._connect(timeout_s)  # a reconnect is bounded by the call's own timeout
             try:
                 sock.settimeout(timeout_s)

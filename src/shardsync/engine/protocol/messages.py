@@ -90,6 +90,9 @@ class Join(_M):
 class Joined(_M):
     incarnation: int
     """Bumped each time this rank (re)joins: a restarted producer replaces its dead predecessor."""
+    credential: Id = ""
+    """This incarnation's secret: what it proves when it fails a version or drops a member (``SyncFailed``,
+    ``Straggler``): a token holder that is no producer cannot fail versions for everyone."""
 
 
 class GetAssignments(_M):
@@ -116,6 +119,9 @@ class SyncFailed(_M):  # producer -> coordinator: its side of a version failed
     rank: int
     version: int
     reason: str
+    incarnation: int = -1
+    credential: Id = ""
+    """The rank's current incarnation and its ``Joined.credential``: anything else is refused (``AuthError``)."""
 
 
 class Straggler(_M):  # producer -> coordinator: a live member held a group past ``straggler_s``; out of this version
@@ -125,6 +131,8 @@ class Straggler(_M):  # producer -> coordinator: a live member held a group past
     consumer: Id
     session: Id
     reason: str
+    credential: Id = ""
+    """The producer's ``Joined.credential``."""
 
 
 # ---------------------------------------------------------------- consumers <-> coordinator

@@ -28,7 +28,7 @@ import msgspec
 import torch
 
 from ..protocol import messages as m
-from ...errors import SyncError, TransportError
+from ...errors import ChunkMacError, SyncError, TransportError
 from ...plan.pack import GroupPacker, Sources
 from ...transport.base import wait_event
 from ...types import ParamMeta, dtype_of
@@ -39,10 +39,17 @@ if TYPE_CHECKING:
 __all__ = ["SourceOpener", "SourceSink"]
 
 
+TABLE_ROW_BYTES = 1024
+"""Bound on one tensor's share of a ``SourceTable`` beside its name: its row and (at most) one storage descriptor."""
+TABLE_SLACK_BYTES = 64 << 10
+
+
 class SourceOpener:
     def __init__(self, transport: Any, metas: list[ParamMeta], *, who: str):
         self.transport, self.who = transport, who
         self.metas = {x.name: x for x in metas}
+        self.max_table_bytes = sum(len(n.encode()) + TABLE_ROW_BYTES for n in self.metas) + TABLE_SLACK_BYTES
+        """The largest ``SourceTable`` a producer can honestly send: a row and a storage descriptor per tensor."""
         self._storages: dict[tuple[int, bytes], torch.Tensor] = {}
         self._tables: dict[tuple[int, str], tuple[bytes, Sources, list[tuple[int, bytes]]]] = {}
         self._serial = 0
@@ -58,6 +65,9 @@ class SourceOpener:
         if hit is not None and hit[0] == blob:
             return hit[1]
         where = f"{self.who}: producer {p}'s source table of group {group!r}"
+        if len(blob) > self.max_table_bytes:  # checked before decoding: nothing is allocated from a peer's claim
+            raise SyncError(f"{where} is {len(blob)} bytes; a table of every tensor of the metadata takes at most "
+                            f"{self.max_table_bytes}")
         try:
             table = msgspec.msgpack.decode(blob, type=m.SourceTable)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -154,6 +164,9 @@ class SourceSink:
         if not ready.sources:
             return self.inner.read(ready, check)
         ctx, p, group = self.ctx, self.p, ready.group
+        if ctx.mac_required():  # source reads carry no keyed tags (producers never serve them with mac)
+            raise ChunkMacError(f"consumer {ctx.id}: producer {p} served group {group!r} (version {ready.version}) from "
+                                "its source tensors, which carry no keyed tags, and this consumer requires them")
         opener = self.opener
         if opener is None:
             raise SyncError(f"consumer {ctx.id}: producer {p} serves group {group!r} from its source tensors, which "

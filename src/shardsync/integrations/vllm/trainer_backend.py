@@ -315,7 +315,7 @@ class ShardsyncTrainerEngine(compat.trainer_engine_base(ShardsyncTrainerInitInfo
         then still run this rank's lockstep gathers, so that the other ranks leave theirs and fail ``v`` too."""
         why = m.clip(f"producer {self.producer.cfg.rank} cannot serve version {v}: {type(e).__name__}: {e}")
         try:
-            self.producer.client.call(m.SyncFailed(rank=self.producer.cfg.rank, version=v, reason=why), timeout_s=5)
+            self.producer.client.call(self.producer.sync_failed(v, why), timeout_s=5)
         except Exception:
             pass  # the coordinator is gone too: the others fail on it within their lease
         finish_lockstep(iter(self.producer.source.iter_groups()))

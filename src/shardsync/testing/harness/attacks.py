@@ -18,7 +18,8 @@ import struct
 __all__ = ["FORGES", "wire_attack", "forged_plan"]
 
 FORGES = ("unknown_op", "out_of_bounds", "huge")
-BOUNDED = ("flood", "drip_handshake", "oversized_reason", "forged_abandon", "plan_amplify")
+BOUNDED = ("flood", "drip_handshake", "oversized_reason", "forged_abandon", "plan_amplify", "budget",
+           "nonmember_abandon")
 _HELD: list = []
 """Sockets of the last flood: held open through the next sync, closed at the next attack (or :func:`release`)."""
 
@@ -162,7 +163,31 @@ def _bounded(kind: str, coordinator: list, token: str, cid: str, peers: list, vi
                 c.call(m.Goodbye(consumer=who, session=sess), timeout_s=30)
             if refused == 0:
                 raise AssertionError("six amplifying plans (60x the model each) were all accepted")
-            return f"{refused} of 6 amplifying plans refused by the routed-bytes budget; the rest pruned when they left"
+            return f"{refused} of 6 amplifying plans refused by the budgets (one group, all routed plans); the rest " \
+                "pruned when they left"
+        if kind == "budget":  # copies piled into one group, a whole-model gather, 100k one-element scatters
+            refusals = []
+            for forge, times in (("amplify", 16), ("one_group", 1), ("many_scatters", 100_000)):
+                who = f"{cid}-{forge}"
+                w = c.call(m.Hello(consumer=who), timeout_s=30)
+                try:
+                    c.call(m.RegisterPlan(consumer=who, session=w.session,
+                                          plan=forged_plan(w.metadata, who, forge, times=times).to_json()),
+                           timeout_s=60)
+                except PlanError as e:
+                    refusals.append(f"{forge}: {str(e)[:160]}")
+                finally:
+                    c.call(m.Goodbye(consumer=who, session=w.session), timeout_s=30)
+            if len(refusals) < 2:  # the whole-model gather fits a tiny model's bound: the other two never do
+                raise AssertionError(f"plans past the one-group and scatter bounds were accepted: {refusals}")
+            return f"{len(refusals)} of 3 budget attacks refused: " + " | ".join(refusals)
+        if kind == "nonmember_abandon":  # a bare Hello abandons this version and the next "for a lost producer"
+            w = c.call(m.Hello(consumer=f"{cid}-outsider"), timeout_s=30)
+            for v in (version, version + 1):
+                c.call(m.Abandon(consumer=f"{cid}-outsider", session=w.session, version=v, reason="lost it",
+                                 lost_producer=0), timeout_s=30)
+            c.call(m.Goodbye(consumer=f"{cid}-outsider", session=w.session), timeout_s=30)
+            return "a non-member abandoned 2 versions for a lost producer: not failed for the members"
     finally:
         c.close()
     raise ValueError(kind)
@@ -170,8 +195,10 @@ def _bounded(kind: str, coordinator: list, token: str, cid: str, peers: list, vi
 
 def forged_plan(metadata: list[dict], cid: str, forge: str, times: int = 60):
     """A sealed plan that passes the digest check but asks for a forbidden op or an out-of-bounds view — or
-    (``amplify``, allowed on its own) repeats the first tensor ``times`` times, under the per-plan expansion bound:
-    many such plans together are what the group's routed-bytes budget refuses."""
+    (``amplify``) repeats every tensor ``times`` times in its own group, under the per-plan expansion bound: what the
+    one-group bound refuses alone and the routed-bytes budget refuses together — or (``one_group``) reads every
+    tensor into group ``pre``: a gather of the whole model at once — or (``many_scatters``) ``times`` one-element
+    scatters: few bytes, much packing work."""
     from ...types import GroupPlan, Op, ParamMeta, Plan, Scatter, StridedView, metadata_digest
 
     metas = [ParamMeta.from_dict(d) for d in metadata]
@@ -186,21 +213,27 @@ def forged_plan(metadata: list[dict], cid: str, forge: str, times: int = 60):
     elif forge == "out_of_bounds":  # a view that starts where the tensor ends
         s = Scatter(ops=(), view=StridedView(offset=n, shape=(n,), stride=(1,)), shape=(n,), dst_stride=(1,),
                     **common)
-    elif forge == "amplify":  # every trainer tensor, ``times`` times over (a stride-0 outer dimension), per group
-        from ...plan.groups import group_order, weight_group
+    elif forge in ("amplify", "one_group"):  # every trainer tensor ``times`` times over (a stride-0 outer
+        from ...plan.groups import group_order, weight_group  # dimension), per group — or all in group "pre"
 
         by_group: dict[str, list] = {}
         for x in metas:
             k = 1
             for d in x.shape:
                 k *= d
-            by_group.setdefault(weight_group(x.name), []).append(Scatter(
+            by_group.setdefault(weight_group(x.name) if forge == "amplify" else "pre", []).append(Scatter(
                 ops=(), view=StridedView(offset=0, shape=(times, k), stride=(0, 1)), shape=(times, k),
                 dst_stride=(k, 1), src=x.name, src_dtype=x.dtype, dst=f"x.{x.name}", dst_byte_offset=0,
                 dst_dtype=x.dtype))
         groups = tuple(GroupPlan(name=g, scatters=tuple(by_group[g]), nbytes=0,
                                  sources=tuple(sc.src for sc in by_group[g])) for g in group_order(by_group))
         return Plan(consumer=cid, meta_digest=metadata_digest(metas), groups=groups, unneeded=()).sealed()
+    elif forge == "many_scatters":  # ``times`` one-element scatters of the first tensor: work, not bytes
+        many = tuple(Scatter(ops=(), view=StridedView(offset=i % n, shape=(1,), stride=(1,)), shape=(1,),
+                             dst_stride=(1,), src=src.name, src_dtype=src.dtype, dst="x", dst_byte_offset=i * 4,
+                             dst_dtype=src.dtype) for i in range(times))
+        g = GroupPlan(name="pre", scatters=many, nbytes=0, sources=(src.name,))
+        return Plan(consumer=cid, meta_digest=metadata_digest(metas), groups=(g,), unneeded=()).sealed()
     else:  # huge: an in-bounds stride-0 view of 2^40 elements (terabytes of ring if it were believed)
         s = Scatter(ops=(), view=StridedView(offset=0, shape=(1 << 40,), stride=(0,)), shape=(1 << 40,),
                     dst_stride=(1,), **common)
