@@ -153,8 +153,12 @@ def test_the_handshake_negotiates_frame_macs_and_a_rewritten_hello_fails() -> No
                 pass
         return relay
 
+    from shardsync.security import handshake
+
+    seen = handshake.DOWNGRADES[0]
     srv, cli = _pair({"mac": True}, {}, rewrite(b"SM2", b"SS2"))  # a downgrade: the server refuses the proof
     assert srv["auth"] is None and "refused" in cli["error"]
+    assert handshake.DOWNGRADES[0] == seen + 1  # named as a rewritten negotiation, not counted as a wrong token
     srv, cli = _pair({}, {}, rewrite(b"SS2", b"SM2"))  # an upgrade of a plain server fails the same way
     assert srv["auth"] is None and "refused" in cli["error"]
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import time
@@ -33,6 +34,8 @@ from typing import Any, Callable, NamedTuple
 
 from ..errors import AuthError
 from .framemac import FrameMac
+
+log = logging.getLogger("shardsync.handshake")
 
 __all__ = ["MAX_TOKEN_BYTES", "Authenticated", "server_auth", "client_auth"]
 
@@ -60,6 +63,18 @@ def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
     return recv_exact(sock, n, deadline=deadline)
 
 
+DOWNGRADES = [0, 0.0]
+"""Handshakes refused for an answer in the other mode (a stripped or rewritten MAC negotiation), the last log."""
+
+
+def _peer_of(conn: socket.socket) -> str:
+    try:
+        name = conn.getpeername()
+    except OSError:
+        return "a peer"
+    return "%s:%s" % name[:2] if isinstance(name, tuple) and len(name) >= 2 else (str(name) or "a local peer")
+
+
 def server_auth(conn: socket.socket, token: str, *, deadline_s: float,
                 on_refused: Callable[[], Any] | None = None, mac: bool = False) -> Authenticated | None:
     """An :class:`Authenticated` when the peer proved it holds ``token`` (with ``mac``: in MAC mode, ``frames`` set),
@@ -74,7 +89,14 @@ def server_auth(conn: socket.socket, token: str, *, deadline_s: float,
     answer = _recv(conn, _NONCE + _MAC, deadline)
     nc, proof = answer[:_NONCE], answer[_NONCE:]
     if not hmac.compare_digest(proof, _mac(token, b"c", ns, nc, mode=mac)):
-        if on_refused is not None:
+        if hmac.compare_digest(proof, _mac(token, b"c", ns, nc, mode=not mac)):  # the token, but the other mode:
+            DOWNGRADES[0] += 1
+            if time.monotonic() - DOWNGRADES[1] >= 1.0:  # logged at most once a second (peers are not trusted)
+                DOWNGRADES[1] = time.monotonic()
+                log.warning("refused %s: it holds the token but answered a %s handshake: the MAC negotiation was "
+                            "stripped or rewritten on the way (or a peer forged it); %d so far", _peer_of(conn),
+                            "plain" if mac else "MAC-mode", DOWNGRADES[0])
+        elif on_refused is not None:
             on_refused()
         conn.sendall(_ERR)
         return None
