@@ -14,24 +14,7 @@ from shardsync.engine.protocol.control import ControlClient
 from shardsync.errors import ConsumerDropped, PlanError
 from shardsync.testing.harness.attacks import forged_plan
 
-import threading
-
-from test_wire import _catch, _sync
 from test_wire_hardening import TOKEN, _sync2, pair  # noqa: F401  (the fixture)
-
-
-def _sync_dropping(p0, p1, zoos, v: int, gone: str) -> dict:
-    """A version in which the member ``gone`` (an attacker's connection that sends no heartbeat) is dropped and
-    every other member completes, exact."""
-    p1.source.at(v)
-    errs: list = []
-    th = threading.Thread(target=lambda: _catch(lambda: p1.sync(v), errs), daemon=True)
-    th.start()
-    stats, errs0 = _sync(p0, zoos, v)
-    th.join(30)
-    assert not errs and not errs0, (errs, errs0)
-    assert set(stats["dropped"]) <= {gone} and all(z.exact(v) for z in zoos), stats
-    return stats
 
 
 def _register(c: ControlClient, cid: str, forge: str, times: int = 1) -> str:
@@ -85,7 +68,7 @@ def test_the_ring_grows_for_an_accepted_plan_and_shrinks_when_it_leaves(pair) ->
     session = _register(c, "big", "amplify", times=3)
     try:
         v = max(p1.versions) + 1
-        _sync_dropping(p0, p1, [z], v, "big")  # routed: its groups are packed (it never pulls: dropped)
+        _sync2(p0, p1, [z], v, may_drop=frozenset({"big"}))  # routed: its groups are packed (it never pulls)
         grown = p0.stats["ring_bytes"]
         with pytest.raises(ConsumerDropped):  # its lease lapsed in that version: already gone
             c.call(m.Goodbye(consumer="big", session=session), timeout_s=10)
