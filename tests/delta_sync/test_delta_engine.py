@@ -221,3 +221,26 @@ def test_a_delta_offer_that_cannot_be_read_heals_to_dense_not_a_lost_producer() 
     got = HeldSink(ctx, 0, 8, held).read(ready, check)
     assert not lost and held.counts["delta_heals"] == 1 and held.counts["delta_dense_chunks"] == 1, held.counts
     assert torch.equal(held.view("g", 0), buf[:4096]) and got >= 4096
+
+
+def test_a_host_history_beside_a_ring_keeps_its_bases_in_host_memory_and_encodes_the_same() -> None:
+    """``ProducerConfig.delta_host_history``: the bases live in (pinned, where CUDA is) host memory whatever the
+    ring's device; offers are the same entries as with the history beside the ring."""
+    from shardsync.delta.sender import DeltaSender
+
+    lay = _layout()
+    units = {"g": [SimpleNamespace(digest="d", chunk=c) for c in lay.chunks]}
+    here, host = (DeltaSender(units, device=torch.device("cpu"), budget_bytes=None, host=h) for h in (False, True))
+    entries = []
+    for s in (here, host):
+        region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+        s.begin(1)
+        s.offer(units["g"][0], "g", region, area, 8192)
+        s.commit(1)
+        s.begin(2)
+        region[100] = 3
+        entries.append(s.offer(units["g"][0], "g", region, area, 8192))
+        s.commit(2)
+    assert entries[0] == entries[1] and entries[0] is not None
+    assert host.history.device.type == "cpu" and host.stats()["delta_history_device"].startswith("cpu")
+    assert host.history.pinned == torch.cuda.is_available()

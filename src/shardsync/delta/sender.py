@@ -47,13 +47,15 @@ does not fit is dropped on rollback: its next chunk goes dense)."""
 class DeltaSender:
     """This rank's delta history and per-version counters (see the module docstring)."""
 
-    def __init__(self, units: dict[str, list[Any]], *, device: torch.device, budget_bytes: int | None):
+    def __init__(self, units: dict[str, list[Any]], *, device: torch.device, budget_bytes: int | None,
+                 host: bool = False):
         self.sizes = {(u.digest, g, u.chunk.index): u.chunk.nbytes for g, us in units.items() for u in us}
         need = sum(codec_align(n) for n in self.sizes.values())
         self.budget = need + need // JOURNAL_SHARE if budget_bytes is None else budget_bytes
         if self.budget < need:
             raise DeltaBudgetError(budget=self.budget, need=need)  # refused at init, not at the first encode
-        self.device = device
+        self.device, self.pin = (torch.device("cpu"), True) if host else (device, False)
+        """Where the history lives: the ring's device, or (``host``) pinned host memory beside a GPU ring."""
         self._history: DeltaHistory | None = None
         self._open: int | None = None
         self.offered = self.dense = self.skipped = self.too_large = 0
@@ -65,7 +67,8 @@ class DeltaSender:
         """The bases, allocated at the first chunk some member may read as a delta, freed after a version in which
         every member read dense (a colocated engine mapping the ring)."""
         if self._history is None:
-            self._history = DeltaHistory(self.sizes, budget_bytes=self.budget, device=self.device)
+            self._history = DeltaHistory(self.sizes, budget_bytes=self.budget, device=self.device,
+                                         pin_memory=self.pin)
             if self._open is not None:
                 self._history.begin(self._open)
         return self._history
@@ -73,6 +76,7 @@ class DeltaSender:
     def stats(self) -> dict[str, Any]:
         h = self._history
         return {"delta_history_bytes": 0 if h is None else h.need + h.journal_bytes, "delta_budget_bytes": self.budget,
+                "delta_history_device": str(self.device) + (" (pinned)" if h is not None and h.pinned else ""),
                 "delta_offered": self.offered, "delta_dense": self.dense, "delta_skipped": self.skipped,
                 "delta_too_large": self.too_large,
                 "delta_payload_bytes": self.payload_bytes}

@@ -246,7 +246,8 @@ class Producer:
         n_slots = cfg.lookahead + 1
         delta = None
         if cfg.delta:  # a delta area beside the dense part of every slot (a share of it: delta/sender.py)
-            delta = DeltaSender(units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes)
+            delta = DeltaSender(units, device=self.lane.device, budget_bytes=cfg.delta_budget_bytes,
+                                host=cfg.delta_host_history)
             dense_slot, slot = slot, slot + area_bytes(slot)
         else:
             dense_slot = slot

@@ -68,8 +68,12 @@ class ProducerConfig(GroupSettings):
     """Serve groups where the trainer's tensors lie to consumers that map this rank's memory (``source_share.py``: no
     pack pass, no ring slot). None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
     delta_budget_bytes: int | None = None
-    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: twice
-    the chunks. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
+    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: the
+    chunks and an eighth more. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
+    delta_host_history: bool = False
+    """Keep the delta history in pinned host memory rather than on a GPU ring's device: no device bytes for the
+    bases; each encode copies its chunk's base to the device and the changes back (about the model's bytes over
+    PCIe a sync)."""
 
 
 PRODUCER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ProducerConfig) if f.name not in GROUP_FIELDS)
