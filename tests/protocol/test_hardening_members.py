@@ -83,3 +83,36 @@ def test_junk_hellos_during_init_do_not_fail_it() -> None:
         c.close()
         c2.close()
         _close(p, zoos)
+
+
+def test_an_evicted_consumer_rejoins_at_its_next_sync_and_takes_part_in_it() -> None:
+    """Evicted at the coordinator (its lease lapsed) just before a version, with its heartbeat not due yet: its
+    ``BeginSync`` is refused as dropped, it rejoins at once and takes part in that same version (the version had
+    not begun), exact — it does not miss it."""
+    import threading
+    import time
+
+    from test_wire import _Zoo, _catch, _close, _producer, _start, _sync
+
+    p, th, err = _producer(1, lease_s=10.0)  # renewals a few seconds apart: the sync is first to learn
+    z = _Zoo(p.address, "r0/tp0")
+    try:
+        _start([z])
+        th.join(30)
+        assert not err, err
+        _, errs = _sync(p, [z], 1)
+        assert not errs and z.exact(1)
+        co = p.coordinator
+        with co.cv:
+            co.ms.drop("r0/tp0", z.c.session, "lease expired: no heartbeat (injected)")
+        got: list = []
+        t = threading.Thread(target=lambda: _catch(lambda: got.append(z.c.sync(2)), got), daemon=True)
+        t.start()
+        time.sleep(0.5)  # the consumer asks first: the version begins with it as a member again
+        p.source.at(2)
+        stats = p.sync(2)
+        t.join(30)
+        assert got and isinstance(got[0], dict), got
+        assert stats["completed"] == ["r0/tp0"] and z.exact(2) and z.c.rejoins == 1, (stats, z.c.rejoins)
+    finally:
+        _close(p, [z])

@@ -332,7 +332,15 @@ class Consumer:
         t0 = time.perf_counter()
         with self._lock:
             session = self.session
-        view = self._begin(version, session)
+        try:
+            view = self._begin(version, session)
+        except ConsumerDropped as e:  # evicted (a lapsed lease) and the heartbeat has not said so yet: rejoin now,
+            if Membership.DISPLACED in str(e):  # so this version still includes us if it has not begun
+                raise
+            self._rejoin(str(e), refused=session)
+            with self._lock:
+                session = self.session
+            view = self._begin(version, session)
         self._connect(view.producers)
         routes = self.routes
         producers = sorted({p for per in routes.values() for p in per})
