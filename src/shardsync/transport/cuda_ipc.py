@@ -17,7 +17,6 @@ whole storage, so a colocated consumer scatters straight from the trainer's weig
 from __future__ import annotations
 
 import base64
-import logging
 import socket
 import threading
 from typing import Any
@@ -27,8 +26,6 @@ import torch
 from ..errors import TransportError
 from .base import Caps, check_range, wait_event
 
-log = logging.getLogger("shardsync.cuda_ipc")
-
 
 def _b(x: bytes | None) -> str | None:
     return None if x is None else base64.b64encode(x).decode()
@@ -36,36 +33,6 @@ def _b(x: bytes | None) -> str | None:
 
 def _u(x: str | None) -> bytes | None:
     return None if x is None else base64.b64decode(x)
-
-
-def _allocation(ptr: int) -> tuple[int, int] | None:
-    """(base, bytes) of the device allocation that contains ``ptr`` (the CUDA driver's ``cuMemGetAddressRange``):
-    what an opened IPC handle really maps, whatever its descriptor says. None where the driver cannot say (no
-    ``libcuda``, no current context: logged once; the mapping is then used unchecked, as before)."""
-    import ctypes
-
-    global _cuda
-    try:
-        if _cuda is None:
-            _cuda = ctypes.CDLL("libcuda.so.1")
-            _cuda.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        rc = _cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    except (OSError, AttributeError) as e:
-        rc, why = -1, f"{type(e).__name__}: {e}"
-    else:
-        why = f"CUresult {rc}"
-    if rc == 0:
-        return base.value, size.value
-    if not _warned:
-        _warned.append(why)
-        log.warning("cuda_ipc: cannot check the size of mapped allocations (%s): descriptors are trusted", why)
-    return None
-
-
-_cuda = None
-_warned: list[str] = []
 
 
 def _export(t: torch.Tensor) -> dict[str, Any]:
@@ -119,22 +86,12 @@ class CudaIpcTransport:
                                  f"{socket.gethostname()!r}: CUDA IPC works within one node (use nixl or nccl)")
         try:
             torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(
+            return torch.UntypedStorage._new_shared_cuda(
                 int(desc["device"]), _u(desc["handle"]), int(desc["size"]), int(desc["offset"]),
                 _u(desc["rc_handle"]), int(desc["rc_offset"]), _u(desc["ev_handle"]), bool(desc["ev_sync"]))
         except (RuntimeError, KeyError, TypeError, ValueError) as e:
             raise TransportError(f"cuda_ipc: cannot open producer {producer}'s {what}: {type(e).__name__}: {e}") \
                 from None
-        ptr, n = storage.data_ptr(), storage.nbytes()
-        with torch.cuda.device(int(desc["device"])):  # the driver call runs in that device's (current) context
-            found = _allocation(ptr)
-        if found is None:
-            return storage
-        base, size = found
-        if n and not base <= ptr < ptr + n <= base + size:  # the peer's size and offset are not believed
-            raise TransportError(f"cuda_ipc: producer {producer}'s {what} claims {n} bytes at offset "
-                                 f"{ptr - base} of an allocation of {size} bytes: it does not fit")
-        return storage
 
     def view(self, producer: int) -> torch.Tensor | None:
         """Producer ``producer``'s mapped buffer (for direct reads: the consumer copies straight out of it)."""
