@@ -61,7 +61,7 @@ def test_junk_hellos_during_init_do_not_fail_it() -> None:
 
     from test_wire import _Zoo, _catch, _close, _producer, _start, _sync
 
-    p, th, err = _producer(2, join_grace_s=6.0, lease_s=1.0)
+    p, th, err = _producer(2, join_grace_s=30.0, lease_s=2.0)  # the grace is long: routing needs no wait for it
     c = ControlClient(p.address, TOKEN, peer="coordinator")
     hello = threading.Thread(target=lambda: _catch(lambda: c.call(m.Hello(consumer="lapsed"), timeout_s=20), []),
                              daemon=True)
@@ -70,7 +70,7 @@ def test_junk_hellos_during_init_do_not_fail_it() -> None:
     c2 = ControlClient(p.address, TOKEN, peer="coordinator")
     w = c2.call(m.Hello(consumer="junk"), timeout_s=20)
     c2.call(m.InitFailed(consumer="junk", session=w.session, reason="junk"), timeout_s=10)
-    time.sleep(2.5)  # the lapsed lease expires
+    time.sleep(4.5)  # the lapsed lease expires
     zoos = [_Zoo(p.address, "r0/tp0"), _Zoo(p.address, "r1/tp0")]
     try:
         _start(zoos)
