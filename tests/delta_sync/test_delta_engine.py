@@ -170,7 +170,7 @@ def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
 def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_the_base() -> None:
     """The delta area is a share of the slot: a payload larger than what is left of it is not written there; the
     chunk is offered dense (``delta_too_large``) and its bytes are the next version's base all the same."""
-    from shardsync.delta.sender import DeltaSender, area_bytes
+    from shardsync.delta.sender import DeltaSender, area_bytes, entry_payload_bytes
 
     assert area_bytes(4096) == 1024 and area_bytes(0) == 0
     lay = _layout()
@@ -189,7 +189,7 @@ def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_t
     s.begin(3)
     region[1000] = 5  # one more word: fits
     entry = s.offer(u, "g", region, area, 8192)
-    assert entry is not None and entry[4] == 2 and s.last_payload == 6  # against version 2's bytes
+    assert entry is not None and entry[4] == 2 and entry_payload_bytes(entry, 4096) == 6  # against version 2's bytes
 
 
 def test_a_delta_offer_that_cannot_be_read_heals_to_dense_not_a_lost_producer() -> None:

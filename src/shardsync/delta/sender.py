@@ -59,8 +59,7 @@ class DeltaSender:
         self._history: DeltaHistory | None = None
         self._open: int | None = None
         self.offered = self.dense = self.skipped = self.too_large = 0
-        self.payload_bytes = self.last_payload = 0
-        """``last_payload``: bytes of the last payload offered (where the next one in the delta area may start)."""
+        self.payload_bytes = 0
 
     @property
     def history(self) -> DeltaHistory:
@@ -131,9 +130,14 @@ class DeltaSender:
             torch.cuda.current_stream(area.device).synchronize()
         self.offered += 1
         self.payload_bytes += enc.payload.numel()
-        self.last_payload = enc.payload.numel()
         assert h.base == base and h.checksum is not None
         return [unit.chunk.index, offset, KIND_CODE[h.kind], h.count, h.base, h.checksum, h.hash]
+
+
+def entry_payload_bytes(entry: list[int], nbytes: int) -> int:
+    """Bytes of the payload a ``Ready.deltas`` entry announces for a chunk of ``nbytes`` (where the slot's next
+    payload may start)."""
+    return codec.payload_nbytes(CODE_KIND[entry[2]], nbytes, entry[3])
 
 
 def area_bytes(dense_slot: int) -> int:

@@ -38,7 +38,7 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-__all__ = ["Admission", "accept_loop", "MAX_PENDING", "MAX_PER_SOURCE", "MAX_AUTHED", "MAX_AUTHED_PER_SOURCE"]
+__all__ = ["Admission", "RateLimited", "accept_loop", "MAX_PENDING", "MAX_PER_SOURCE", "MAX_AUTHED", "MAX_AUTHED_PER_SOURCE"]
 log = logging.getLogger("shardsync.admission")
 
 MAX_PENDING = 128
@@ -53,9 +53,12 @@ _FATAL = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
 """accept() errors that mean the listening socket itself is gone."""
 
 
-class _RateLimited:
-    def __init__(self, every_s: float = 1.0) -> None:
+class RateLimited:
+    """A log call that lets one message through per ``every_s`` and counts the ones it held back."""
+
+    def __init__(self, every_s: float = 1.0, logger: logging.Logger | None = None) -> None:
         self.every_s, self._last, self.suppressed = every_s, 0.0, 0
+        self.logger = logger or log
 
     def __call__(self, level: int, msg: str, *args: Any) -> None:
         now = time.monotonic()
@@ -64,7 +67,7 @@ class _RateLimited:
             return
         extra = f" ({self.suppressed} similar suppressed)" if self.suppressed else ""
         self._last, self.suppressed = now, 0
-        log.log(level, msg + extra, *args)
+        self.logger.log(level, msg + extra, *args)
 
 
 class Admission:
@@ -87,7 +90,7 @@ class Admission:
         self._per_source: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._log = _RateLimited()
+        self._log = RateLimited()
         self._watchdog: threading.Thread | None = None
 
     def admit(self, conn: socket.socket, addr: Any) -> None:

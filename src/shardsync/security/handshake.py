@@ -33,11 +33,12 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from ..errors import AuthError
+from .admission import RateLimited
 from .framemac import FrameMac
 
 log = logging.getLogger("shardsync.handshake")
 
-__all__ = ["MAX_TOKEN_BYTES", "Authenticated", "server_auth", "client_auth"]
+__all__ = ["MAX_TOKEN_BYTES", "Authenticated", "server_auth", "client_auth", "peer_name"]
 
 MAX_TOKEN_BYTES = 256
 """Longest token a peer may be configured with (a configuration check: the token itself is never sent)."""
@@ -63,11 +64,13 @@ def _recv(sock: socket.socket, n: int, deadline: float) -> bytes:
     return recv_exact(sock, n, deadline=deadline)
 
 
-DOWNGRADES = [0, 0.0]
-"""Handshakes refused for an answer in the other mode (a stripped or rewritten MAC negotiation), the last log."""
+DOWNGRADES = [0]
+"""Handshakes refused for an answer in the other mode (a stripped or rewritten MAC negotiation)."""
+_downgrade_log = RateLimited(logger=log)  # peers are not trusted: at most one log a second
 
 
-def _peer_of(conn: socket.socket) -> str:
+def peer_name(conn: socket.socket) -> str:
+    """``host:port`` of a connection's peer (what a Unix socket has, else "a peer")."""
     try:
         name = conn.getpeername()
     except OSError:
@@ -91,11 +94,9 @@ def server_auth(conn: socket.socket, token: str, *, deadline_s: float,
     if not hmac.compare_digest(proof, _mac(token, b"c", ns, nc, mode=mac)):
         if hmac.compare_digest(proof, _mac(token, b"c", ns, nc, mode=not mac)):  # the token, but the other mode:
             DOWNGRADES[0] += 1
-            if time.monotonic() - DOWNGRADES[1] >= 1.0:  # logged at most once a second (peers are not trusted)
-                DOWNGRADES[1] = time.monotonic()
-                log.warning("refused %s: it holds the token but answered a %s handshake: the MAC negotiation was "
-                            "stripped or rewritten on the way (or a peer forged it); %d so far", _peer_of(conn),
-                            "plain" if mac else "MAC-mode", DOWNGRADES[0])
+            _downgrade_log(logging.WARNING, "refused %s: it holds the token but answered a %s handshake: the MAC "
+                           "negotiation was stripped or rewritten on the way (or a peer forged it); %d so far",
+                           peer_name(conn), "plain" if mac else "MAC-mode", DOWNGRADES[0])
         elif on_refused is not None:
             on_refused()
         conn.sendall(_ERR)

@@ -31,6 +31,7 @@ from ..protocol import messages as m
 from .membership import Membership
 from ...errors import MetadataMismatch, NotMember, PlanError, ProducerLost, SyncError, TransportError
 from ...plan.checks import check_plan, max_scatters
+from ...plan.groups import weight_group
 from ...plan.route import digest_of, holders_from_ownership, route_key, route_plans
 from ...types import ParamMeta, Plan, metadata_digest
 
@@ -78,8 +79,6 @@ class Coordinator:
         self.max_routed_bytes = MAX_ROUTED_COPIES * model_bytes if max_routed_bytes is None else max_routed_bytes
         """What all routed plans together may carry per sync (each route key's plan counted once): the bound on
         what producers pack. Past it a consumer's plan is refused, naming it."""
-        from ...plan.groups import weight_group
-
         whole: dict[str, int] = defaultdict(int)
         for x in self.metadata:
             whole[weight_group(x.name)] += x.nbytes

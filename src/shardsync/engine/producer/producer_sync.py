@@ -27,7 +27,7 @@ from .versions import VersionState
 from ...security.chunkmac import chunk_tag
 from ..protocol.wire import chunk_checksum
 from ...errors import MetadataMismatch, ProducerLost, TransportError
-from ...delta.sender import codec_align
+from ...delta.sender import codec_align, entry_payload_bytes
 from ...source import check_tensor
 
 __all__ = ["ProducerSync"]
@@ -284,7 +284,7 @@ class ProducerSync:
                                         known_checksum=csum if csum >= 0 else None)
                     if entry is not None:
                         r.deltas.append(entry)
-                        area = min(area_end, area + codec_align(delta.last_payload))
+                        area = min(area_end, area + codec_align(entry_payload_bytes(entry, c.nbytes)))
                 if ctx.chunk_key is not None:
                     r.tags.append(chunk_tag(ctx.chunk_key, producer=self.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))

@@ -34,6 +34,7 @@ import msgspec
 
 from ...errors import AuthError, FrameMacError, ShardsyncError, TransportError
 from ...security.admission import MAX_AUTHED, MAX_AUTHED_PER_SOURCE, MAX_PENDING, MAX_PER_SOURCE, Admission, accept_loop
+from ...security.handshake import peer_name
 from ...security.framemac import FrameMac
 from ...transport.tcp import advertised
 from .messages import Fail, Msg, clip, decode, encode
@@ -96,7 +97,7 @@ class ControlServer:
         self._serve(conn)
 
     def _refuse(self, conn: socket.socket) -> None:
-        peer = _peer(conn)
+        peer = peer_name(conn)
         host = peer.rsplit(":", 1)[0]
         with self._lock:
             self.refused["token"] += 1
@@ -139,7 +140,7 @@ class ControlServer:
                     msg = decode(recv_frame(conn, max_frame_bytes=self.max_frame_bytes, mac=auth.frames))
                 except FrameMacError:  # counted and logged (rate-limited) like a refused handshake
                     self.refused["mac"] += 1
-                    self.admission.refuse("mac", f"a frame from {_peer(conn)} (its MAC is wrong: connection closed)")
+                    self.admission.refuse("mac", f"a frame from {peer_name(conn)} (its MAC is wrong: connection closed)")
                     return
                 except FrameTooLarge as e:
                     self.refused["frame"] += 1
@@ -210,13 +211,6 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
-
-
-def _peer(conn: socket.socket) -> str:
-    try:
-        return "%s:%s" % conn.getpeername()[:2]
-    except OSError:
-        return "a peer"
 
 
 class ControlClient:
