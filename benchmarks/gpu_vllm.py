@@ -144,8 +144,10 @@ def phase(args) -> dict:
 
             served = BlockFP8Source.for_checkpoint(source, ckpt)
         delta = False if args.delta is None else ("always" if args.delta_mode == "always" else True)
-        eng = _shardsync_trainer(llm, served, delta=delta, direct=not args.no_direct)
+        eng = _shardsync_trainer(llm, served, delta=delta, direct=not args.no_direct, sync_memory=args.sync_memory)
         out["init_s"] = round(eng._init_s, 3)
+        out["ring_bytes"] = eng.producer.stats["ring_bytes"]
+        out["sync_memory_bytes"] = eng.producer.stats["sync_memory_bytes"]
         out["direct_modules"], out["general_modules"] = llm.collective_rpc(_direct_counts)[0]
         send = eng.send_weights
     else:
@@ -259,12 +261,13 @@ def _sync_state(worker) -> dict:  # runs in the vLLM worker: which versions its 
     return worker.weight_transfer_engine.sync_state()
 
 
-def _shardsync_trainer(llm, source, delta: bool | str = False, direct: bool = True):
+def _shardsync_trainer(llm, source, delta: bool | str = False, direct: bool = True, sync_memory: int | None = None):
     from shardsync.integrations.vllm import compat
     from shardsync.integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
 
     info = ShardsyncTrainerInitInfo(master_address="127.0.0.1", master_port=0, world_size=2, rank=0,
-                                    transport="auto", device="cuda:0", delta=delta, direct_writes=direct)
+                                    transport="auto", device="cuda:0", delta=delta, direct_writes=direct,
+                                    sync_memory_bytes=sync_memory)
     t0 = time.perf_counter()
     eng = compat.factory_trainer_init(info, client=llm, source=source)
     eng._init_s = time.perf_counter() - t0
@@ -338,6 +341,9 @@ def main() -> int:
                     help="every module on the general path (layerwise buffers + first-load processing)")
     ap.add_argument("--general", action="store_true",
                     help="also a shardsync phase with --no-direct, side by side with the direct path")
+    ap.add_argument("--sync-memory", type=int, default=None, metavar="BYTES",
+                    help="the sync's memory budget (GroupSettings.sync_memory_bytes; default: min(10%% of the model, "
+                         "1 GiB); 0: groups never split)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--phase", choices=("shardsync", "general", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
@@ -390,6 +396,7 @@ def main() -> int:
                *(["--graphs"] if args.graphs else []), *(["--quant", args.quant] if args.quant else []),
                *(["--torn"] if args.torn and name == "shardsync" else []),
                *(["--no-direct"] if args.no_direct else []),
+               *(["--sync-memory", str(args.sync_memory)] if args.sync_memory is not None else []),
                *(["--trainer-ckpt", trainer_ckpt] if trainer_ckpt and name != "fresh" else []),
                *(["--delta", str(args.delta), "--delta-mode", args.delta_mode] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]

@@ -58,6 +58,11 @@ class GroupSettings:
     reads as deltas. ``"always"``: every delta consumer reads deltas from every producer. Costs, on the ring's device:
     a delta area per ring slot and the history of served chunks (``delta_budget_bytes``), allocated at the first
     encode, plus an encode pass per chunk and its checksum (on a GPU, ``kernels/word_hash.py``: no host copy)."""
+    sync_memory_bytes: int | None = None
+    """The sync's transient memory budget: consumers split weight groups above half of it into parts
+    (``plan/split.py``), so a trainer's ring (``lookahead + 1`` slots of one part of every plan) and an engine's
+    receive slots hold parts, not whole layers. None: the smaller of 10 % of the model's bytes and 1 GiB; 0: groups
+    are never split."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     """Largest control frame accepted, checked before it is allocated (engine rule 5)."""
     switch_interval_s: float | None = 0.0002

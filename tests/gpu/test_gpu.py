@@ -97,3 +97,42 @@ def test_copy_programs_replayed_from_cuda_graphs_follow_in_place_updates() -> No
         assert all(torch.equal(p, dict(ref.named_parameters())[n]) for n, p in mine.items()), step
     graphs = [st.replay.graph for v in (pk._views, up._views) for st in v.by_key.values()]
     assert graphs and all(x is not None for x in graphs)
+
+
+_EXPORT = """
+import json, sys, torch
+from shardsync.transport.cuda_ipc import CudaIpcTransport
+t = CudaIpcTransport()
+buf = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+src = torch.full((4096,), 7, dtype=torch.float32, device="cuda")
+print(json.dumps({"ring": t.register(buf), "shared": t.share(src)}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_cuda_ipc_refuses_a_descriptor_claiming_more_than_its_allocation() -> None:
+    """A peer's descriptor says its storage's size and offset itself: an honest one maps and reads back the exporter's
+    bytes; one claiming more bytes than the allocation (or an offset past it) is a TransportError, not a mapping over
+    memory nobody shared."""
+    from shardsync.errors import TransportError
+    from shardsync.transport.cuda_ipc import CudaIpcTransport
+
+    p = subprocess.Popen([sys.executable, "-c", _EXPORT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        descs = json.loads(p.stdout.readline())
+        t = CudaIpcTransport()
+        t.connect(0, descs["ring"])
+        into = torch.empty(1 << 12, dtype=torch.uint8, device="cuda")
+        t.read(0, 4096, 4096, into, timeout_s=10)
+        assert torch.equal(into.view(torch.int32).cpu(), torch.arange(1024, 2048, dtype=torch.int32))
+        shared = t.open_shared(0, descs["shared"])
+        assert shared.numel() >= 4096 * 4
+        assert torch.equal(shared[:16384].view(torch.float32).cpu(), torch.full((4096,), 7.0))
+        for forged in ({**descs["shared"], "size": 1 << 40}, {**descs["shared"], "offset": 1 << 36},
+                       {**descs["ring"], "size": descs["ring"]["size"] * 64}):
+            with pytest.raises(TransportError, match="refused|cannot open|does not know"):
+                CudaIpcTransport().open_shared(1, forged)
+    finally:
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=60)

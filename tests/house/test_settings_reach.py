@@ -16,7 +16,8 @@ from shardsync.engine.producer.producer_config import PRODUCER_FIELDS, ProducerC
 
 SENTINELS = {"token": "sentinel-token", "transport": "nixl", "transport_kwargs": {"sentinel": 1}, "timeout_s": 7.5,
              "init_timeout_s": 8.5, "lease_s": 3.5, "verify_checksums": True, "mac": True, "delta": True,
-             "max_frame_bytes": 12_345_678, "switch_interval_s": 0.003}
+             "max_frame_bytes": 12_345_678, "switch_interval_s": 0.003,
+             "sync_memory_bytes": 7_654_321}
 
 
 def test_every_setting_has_a_sentinel_unlike_its_default():

@@ -8,6 +8,12 @@ including that index, so a vision tower's layers and the language model's layers
     'model.layers.3'
     >>> weight_group("model.embed_tokens.weight"), weight_group("lm_head.weight")
     ('pre', 'post')
+
+A group larger than the sync's memory budget is split into parts ``<group>#<k>`` (``plan/split.py``); parts sort
+right after one another, in part order, where their group would::
+
+    >>> group_order(["post", "model.layers.1", "model.layers.0#1", "model.layers.0#0"])
+    ['model.layers.0#0', 'model.layers.0#1', 'model.layers.1', 'post']
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-__all__ = ["weight_group", "group_order", "PRE", "POST"]
+__all__ = ["weight_group", "group_order", "base_group", "PRE", "POST", "PART"]
 
 PRE, POST = "pre", "post"
+PART = "#"
+"""Between a split group's name and its part's index."""
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+))(?:\.|$)")
 _PRE_HINTS = ("embed", "wte", "wpe", "word_embeddings", "tok_embeddings", "patch_embed")
 
@@ -34,15 +42,23 @@ def weight_group(name: str) -> str:
     return POST
 
 
+def base_group(group: str) -> str:
+    """The weight group a part belongs to (the group itself when it is not a part)."""
+    return group.split(PART, 1)[0]
+
+
 def _key(group: str) -> tuple:
-    if group == PRE:
-        return (0, "", 0)
-    if group == POST:
-        return (2, "", 0)
-    m = _LAYER.match(group)
-    assert m, group
-    prefix = group[: m.start(2)]
-    return (1, prefix, int(m.group(2)))
+    base, _, part = group.partition(PART)
+    k = int(part) if part.isdigit() else -1
+    if base == PRE:
+        return (0, "", 0, k)
+    if base == POST:
+        return (2, "", 0, k)
+    m = _LAYER.match(base)
+    if not m:
+        return (3, base, 0, k)  # a group named by its recorder (``record_plan(group_of=)``): after the known ones
+    prefix = base[: m.start(2)]
+    return (1, prefix, int(m.group(2)), k)
 
 
 def group_order(groups: Iterable[str]) -> list[str]:

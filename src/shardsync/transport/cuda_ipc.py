@@ -17,6 +17,7 @@ whole storage, so a colocated consumer scatters straight from the trainer's weig
 from __future__ import annotations
 
 import base64
+import ctypes
 import socket
 import threading
 from typing import Any
@@ -41,6 +42,41 @@ def _export(t: torch.Tensor) -> dict[str, Any]:
     return {"device": int(device), "handle": _b(handle), "size": int(size), "offset": int(offset),
             "rc_handle": _b(rc_handle), "rc_offset": int(rc_offset), "ev_handle": _b(ev_handle),
             "ev_sync": bool(ev_sync), "node": socket.gethostname()}
+
+
+_IPC_HANDLE = 64
+"""Bytes of a ``cudaIpcMemHandle_t``: torch exports a plain ``cudaMalloc`` block as one (an expandable segment's
+handle is longer: its mapping is checked by the driver when opened)."""
+
+
+def _address_range(ptr: int, device: int) -> tuple[int, int] | None:
+    """(base, size) of the allocation holding device address ``ptr`` (``cuMemGetAddressRange``), or None where the
+    driver cannot say."""
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    fn = cu.cuMemGetAddressRange_v2
+    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+    with torch.cuda.device(device):
+        rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    return (base.value, size.value) if rc == 0 else None
+
+
+def check_mapped(storage: Any, handle: bytes | None, what: str) -> None:
+    """A peer's descriptor names its storage's size and offset itself: refuse one reaching past the allocation the
+    handle opened (reads there would touch memory the peer never shared, or fault the device)."""
+    if handle is None or len(handle) != _IPC_HANDLE or storage.nbytes() == 0:
+        return
+    ptr, n = storage.data_ptr(), storage.nbytes()
+    got = _address_range(ptr, storage.device.index)
+    if got is None:
+        raise TransportError(f"cuda_ipc: {what}: the driver does not know the mapped address {ptr:#x}")
+    base, size = got
+    if ptr < base or ptr + n > base + size:
+        raise TransportError(f"cuda_ipc: {what} claims {n} bytes at offset {ptr - base} of an allocation of "
+                             f"{size} bytes: refused")
 
 
 class CudaIpcTransport:
@@ -86,12 +122,15 @@ class CudaIpcTransport:
                                  f"{socket.gethostname()!r}: CUDA IPC works within one node (use nixl or nccl)")
         try:
             torch.cuda._lazy_init()
-            return torch.UntypedStorage._new_shared_cuda(
-                int(desc["device"]), _u(desc["handle"]), int(desc["size"]), int(desc["offset"]),
+            handle = _u(desc["handle"])
+            storage = torch.UntypedStorage._new_shared_cuda(
+                int(desc["device"]), handle, int(desc["size"]), int(desc["offset"]),
                 _u(desc["rc_handle"]), int(desc["rc_offset"]), _u(desc["ev_handle"]), bool(desc["ev_sync"]))
         except (RuntimeError, KeyError, TypeError, ValueError) as e:
             raise TransportError(f"cuda_ipc: cannot open producer {producer}'s {what}: {type(e).__name__}: {e}") \
                 from None
+        check_mapped(storage, handle, f"producer {producer}'s {what}")
+        return storage
 
     def view(self, producer: int) -> torch.Tensor | None:
         """Producer ``producer``'s mapped buffer (for direct reads: the consumer copies straight out of it)."""

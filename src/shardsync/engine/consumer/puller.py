@@ -28,7 +28,7 @@ from .pullcontext import PullContext
 from .recvslots import SlotPool
 from ...security.chunkmac import check_chunk
 from ..protocol.wire import chunk_checksum
-from ...errors import ChecksumError, ChunkMacError, ProducerLost, SyncError, TransportError
+from ...errors import ChecksumError, ChunkMacError, ConsumerDropped, ProducerLost, SyncError, TransportError
 from ...plan.pack import ChunkParts
 
 __all__ = ["PullRound", "Puller", "SerialPuller"]
@@ -286,8 +286,21 @@ class Puller(threading.Thread):
             return
         found = hashed if hashed is not None else chunk_checksum(data)
         if found != checksum:
-            raise ChecksumError(f"consumer {ctx.id}: chunk {chunk} of group {group!r} from producer {p} (version "
+            bad = ChecksumError(f"consumer {ctx.id}: chunk {chunk} of group {group!r} from producer {p} (version "
                                 f"{self.rnd.version}) has checksum {found:#x}, the producer computed {checksum:#x}")
+            self.dropped_cause(group, bad)
+            raise bad
+
+    def dropped_cause(self, group: str, bad: BaseException) -> None:
+        """Bytes that do not match their checksum may have been overwritten: this consumer was dropped from the
+        version (a straggler) and the producer reused the ring slot. Ask it (a ``Released``, refused for a dropped
+        member): ``ConsumerDropped`` is then the cause raised, the mismatch its context."""
+        try:
+            release(self.ctx, self.rnd, self.p, group)
+        except ConsumerDropped as e:
+            raise e from bad
+        except Exception:
+            return
 
 
 def release(ctx: PullContext, rnd: PullRound, p: int, group: str) -> None:

@@ -31,6 +31,7 @@ coordinator), init and the sync's start and failure. A :class:`Producer` owns it
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import suppress
@@ -56,10 +57,13 @@ from .units import RingLayout, build_units
 from .versions import VersionState, VersionTable
 from ..protocol.wire import parse_address
 from ...errors import SyncError
+from ...plan.split import budget_for
 from ...source import WeightSource
 from ...sources.adapt import adapt
 from ...transport import Transport, make_group_transport, transport_caps
 from ...types import dtype_of, metadata_digest
+
+log = logging.getLogger("shardsync.producer")
 
 
 class Producer:
@@ -271,8 +275,13 @@ class Producer:
             units=units, schedule=schedule, ring=ring, n_slots=n_slots, slot_bytes=slot_bytes, dense_slot=dense_slot,
             delta=delta, unit_sources={g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in units.items()})
         self.epoch = asg.epoch
+        budget = budget_for(self.metas, cfg.sync_memory_bytes)
+        if budget and ring.numel() > budget:  # plans recorded unsplit, or many distinct plans of one group
+            log.warning("producer %d: its ring holds %d bytes (%d slots of %d), above sync_memory_bytes=%d: the "
+                        "consumers' plans were not split to it, or many distinct plans share this rank's groups",
+                        cfg.rank, ring.numel(), n_slots, slot_bytes, budget)
         self.stats = {"rank": cfg.rank, "groups": len(schedule.order), "slot_bytes": slot_bytes,
-                      "ring_bytes": ring.numel(), "gather_batches": len(schedule.batches),
+                      "ring_bytes": ring.numel(), "sync_memory_bytes": budget, "gather_batches": len(schedule.batches),
                       "planned_peak_gathered_bytes": schedule.peak_bytes,
                       **(delta.stats() if delta is not None else {})}
 

@@ -30,6 +30,7 @@ from ...engine.consumer.consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
 from ...plan.record import record_plan
+from ...plan.split import part_bytes_for, split_groups
 from ...types import ParamMeta, Plan, dtype_of
 
 __all__ = ["Receiver"]
@@ -41,6 +42,7 @@ class Receiver:
     def __init__(self, consumer_id: str, coordinator: list[Any], *, settings: GroupSettings,
                  device: str | None = None, recv_slots: int = 4):
         self.id, self.device, self.timeout_s = consumer_id, device, settings.timeout_s
+        self.sync_memory_bytes = settings.sync_memory_bytes
         self.tensors: dict[str, torch.Tensor] = {}
         self._unpackers: dict[str, GroupUnpacker] = {}
         self._q: queue.Queue[Any] = queue.Queue()
@@ -59,7 +61,8 @@ class Receiver:
             for name, t in weights:
                 self.tensors[name].copy_(t)
 
-        return record_plan(metadata=metas, load_weights=load_whole, params=self.tensors, consumer=self.id)
+        plan = record_plan(metadata=metas, load_weights=load_whole, params=self.tensors, consumer=self.id)
+        return split_groups(plan, part_bytes_for(metas, self.sync_memory_bytes))
 
     def _apply(self, group: str, buf: torch.Tensor) -> None:
         u = self._unpackers.get(group)

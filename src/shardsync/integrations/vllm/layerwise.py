@@ -317,21 +317,25 @@ def _validate_group(model: nn.Module, g, metas: Sequence[ParamMeta], mods: Seque
 
 
 class LayerApplier:
-    """Per sync: materialise, scatter, process. Modules are processed as soon as the last group that
-    writes them has been applied (a layer's processing does not wait for the end of the sync)."""
+    """Per sync: materialise, scatter, process. A module is processed as soon as every group writing it has been
+    applied this sync (a layer's processing does not wait for the end of the sync; groups — and the parts of a split
+    group, ``plan/split.py`` — complete in any order)."""
 
     def __init__(self, model: nn.Module, plan: Plan, direct: Sequence[str] = ()):
         self.model, self.plan = model, plan
         self.direct = frozenset(direct)
         """Modules written straight into their live tensors: never materialised, never processed."""
-        last: dict[str, str] = {}
+        self.writers: dict[str, frozenset[str]] = {}
+        """Each processed module -> the groups writing it."""
+        by_mod: dict[str, set[str]] = defaultdict(set)
         for g in plan.groups:
             for mod in group_modules(plan, g):
                 if mod not in self.direct:
-                    last[mod] = g.name
-        self.finishing: dict[str, list[str]] = defaultdict(list)
-        for mod, gname in last.items():
-            self.finishing[gname].append(mod)
+                    by_mod[mod].add(g.name)
+        self.writers = {mod: frozenset(gs) for mod, gs in by_mod.items()}
+        self.left: dict[str, set[str]] = {}
+        """This sync: module -> its writers not applied yet (``begin``)."""
+        self.begin()
         self.group_mods = {g.name: sorted(group_modules(plan, g)) for g in plan.groups}
         self.live_tensors: dict[str, dict[str, torch.Tensor]] = {}
         """A group's direct modules' live tensors by dotted name (the same tensors every sync: the unpacker's copy
@@ -359,11 +363,19 @@ class LayerApplier:
         scratch = self.scratch[group]
         self.unpackers[group].unpack(buf, {**tensors, **scratch})
         load_fallbacks(self.model.load_weights, scratch)
-        for m in self.finishing.get(group, ()):
+        for m in staged:
+            left = self.left[m]
+            left.discard(group)
+            if left:
+                continue
             layer = self.model.get_submodule(m)
             info = layerwise.LAYERWISE_INFO[layer]
             if info.can_load():
                 layerwise._layerwise_process(layer, info)
+
+    def begin(self) -> None:
+        """A new sync: every processed module waits for all its writers again."""
+        self.left = {mod: set(gs) for mod, gs in self.writers.items()}
 
 
 def _own_tensors(model: nn.Module, m: str) -> dict[str, torch.Tensor]:

@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ...config import GroupSettings, resolve_aliases, settings_of
 from ...errors import SyncError
+from ...plan.split import part_bytes_for, split_groups
 from ...types import metadata_digest
 from .compat import check_supported
 from .plugin import require_plugin
@@ -219,7 +220,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                                    validate=init_info.validate)
             refuse_rebind_under_cuda_graphs(self.vllm_config, found["processing"][1], plan, init_info.validate,
                                              self.rank)
-            return plan
+            # checked whole; registered in parts of the sync's memory budget (a module is processed once all
+            # the parts writing it are applied: LayerApplier)
+            return split_groups(plan, part_bytes_for(metas, init_info.sync_memory_bytes))
 
         self.plan = self._find_plan(init_info, consumer, record)
         if owner is not None:
@@ -284,6 +287,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             raise SyncError(f"rank {self.rank}: start_weight_update before init_weight_transfer_engine")
         if self._started:
             raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
+        self.applier.begin()
         self.processor.begin()  # exact live tensor slots, and vLLM's per-layer processing -> first-load replay
         try:
             begin_reload(self.model, self.direct)  # direct modules keep their live tensors

@@ -19,6 +19,7 @@ import torch
 from ...engine.inprocess import LocalConsumer
 from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
+from ...plan.split import part_bytes_for, split_groups
 from ...plan.validate import mismatched
 from ...types import ParamMeta, Plan
 from ..zoo import ZooConfig, ZooModel
@@ -41,8 +42,10 @@ class ZooConsumer:
 
     def __init__(self, cfg: ZooConfig, consumer_id: str, *, tp: int = 1, tp_rank: int = 0, ep: int = 1,
                  ep_rank: int = 0, device: str | torch.device | None = None,
-                 on_apply: Callable[[str], None] | None = None):
+                 on_apply: Callable[[str], None] | None = None, sync_memory_bytes: int | None = None):
         self.cfg, self.id, self.on_apply, self.device = cfg, consumer_id, on_apply, device
+        self.sync_memory_bytes = sync_memory_bytes
+        """As the engine's (``GroupSettings.sync_memory_bytes``): groups above half of it are recorded in parts."""
         self.rank_kw = dict(tp_size=tp, tp_rank=tp_rank, ep_size=ep, ep_rank=ep_rank)
         self.live = self.model(device)
         self.params: dict[str, torch.Tensor] = {n: p.detach() for n, p in self.live.named_parameters()}
@@ -56,8 +59,9 @@ class ZooConsumer:
 
     def record(self, metas: Sequence[ParamMeta]) -> Plan:
         k = self.rank_kw
-        self.plan = zoo_plan(self.cfg, metas, self.id, tp=k["tp_size"], tp_rank=k["tp_rank"], ep=k["ep_size"],
-                             ep_rank=k["ep_rank"])
+        plan = zoo_plan(self.cfg, metas, self.id, tp=k["tp_size"], tp_rank=k["tp_rank"], ep=k["ep_size"],
+                        ep_rank=k["ep_rank"])
+        self.plan = split_groups(plan, part_bytes_for(metas, self.sync_memory_bytes))
         self.unpackers.clear()
         return self.plan
 
