@@ -18,7 +18,7 @@ from shardsync.engine.consumer.consumer import Consumer
 from shardsync.engine.producer.producer import Producer, ProducerConfig
 from shardsync.kernels.fp8 import quantize_fp8_blocks, scale_shape
 from shardsync.plan import graphs
-from shardsync.plan.groups import weight_group
+from shardsync.plan.groups import base_group, weight_group
 from shardsync.plan.pack import _packed_view, layout_group
 from shardsync.plan.validate import same_bytes
 from shardsync.source import ModuleSource
@@ -62,16 +62,31 @@ def fill(t: torch.Tensor, name: str, seed: int) -> torch.Tensor:
 class Processor:
     """The FP8 process step: per layer, quantise its linear / expert weights into kernel tensors, in place."""
 
-    def __init__(self, params: dict[str, torch.Tensor]):
+    def __init__(self, params: dict[str, torch.Tensor], groups: list[str]):
         self.by_group: dict[str, list] = {}
         for n, p in params.items():
             if n.endswith(FP8_SUFFIXES):
                 q = torch.empty(p.shape, dtype=torch.float8_e4m3fn, device=p.device)
                 s = torch.empty(scale_shape(tuple(p.shape)), dtype=torch.float32, device=p.device)
                 self.by_group.setdefault(weight_group(n), []).append((p, q, s, n))
+        self.parts: dict[str, frozenset[str]] = {}
+        """A layer -> the plan groups writing it (itself, or its parts: ``plan/split.py``)."""
+        for g in groups:
+            self.parts[base_group(g)] = self.parts.get(base_group(g), frozenset()) | {g}
+        self.begin()
+
+    def begin(self) -> None:
+        """A new sync: each layer waits for all its parts again."""
+        self.left = {b: set(ps) for b, ps in self.parts.items()}
 
     def run(self, g: str) -> None:
-        for p, q, s, _ in self.by_group.get(g, []):
+        """Group ``g`` applied: a layer is processed once every part of it is in (a whole layer at once)."""
+        b = base_group(g)
+        left = self.left.get(b, set())
+        left.discard(g)
+        if left and g != b:
+            return
+        for p, q, s, _ in self.by_group.get(b, []):
             quantize_fp8_blocks(p, q, s)
 
 
@@ -170,7 +185,8 @@ class GpuConsumer:
         self.zoo = ZooConsumer(zoo_config(args), cid, tp=tp, tp_rank=rank, device=self.dev)
         self.full_pull = full_pull
         self.plan = zoo_plan(self.zoo.cfg, self.metas, cid) if full_pull else self.zoo.record(self.metas)
-        self.proc = Processor({} if getattr(args, "no_process", False) else self.zoo.params)
+        self.proc = Processor({} if getattr(args, "no_process", False) else self.zoo.params,
+                              [g.name for g in self.plan.groups])
         self.layouts = {g.name: layout_group(g) for g in self.plan.groups}
         if not full_pull:
             for g in self.plan.groups:
@@ -216,6 +232,7 @@ class GpuConsumer:
 
     def sync(self, v: int) -> dict:
         c0 = time.process_time()
+        self.proc.begin()
         r = profiled(self.args, self.cid, self.cons.sync, v)
         return {"cpu_s": time.process_time() - c0,
                 **{k: r[k] for k in ("seconds", "bytes_received", "apply_s", "recv_slots_used", "recv_bytes",

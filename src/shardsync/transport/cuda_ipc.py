@@ -45,8 +45,15 @@ def _export(t: torch.Tensor) -> dict[str, Any]:
 
 
 _IPC_HANDLE = 64
-"""Bytes of a ``cudaIpcMemHandle_t``: torch exports a plain ``cudaMalloc`` block as one (an expandable segment's
-handle is longer: its mapping is checked by the driver when opened)."""
+"""Bytes of a ``cudaIpcMemHandle_t``. torch exports a plain ``cudaMalloc`` block as one, after a version byte and
+the kind ``c`` (an expandable segment's handle, kind ``e``, maps its pieces by size: the driver checks those)."""
+
+
+def _malloc_handle(handle: bytes | None) -> bool:
+    """The handle names one ``cudaMalloc`` allocation (whose range the driver can tell)."""
+    if handle is None:
+        return False
+    return len(handle) == _IPC_HANDLE or (len(handle) == _IPC_HANDLE + 2 and handle[1:2] == b"c")
 
 
 def _address_range(ptr: int, device: int) -> tuple[int, int] | None:
@@ -67,7 +74,7 @@ def _address_range(ptr: int, device: int) -> tuple[int, int] | None:
 def check_mapped(storage: Any, handle: bytes | None, what: str) -> None:
     """A peer's descriptor names its storage's size and offset itself: refuse one reaching past the allocation the
     handle opened (reads there would touch memory the peer never shared, or fault the device)."""
-    if handle is None or len(handle) != _IPC_HANDLE or storage.nbytes() == 0:
+    if not _malloc_handle(handle) or storage.nbytes() == 0:
         return
     ptr, n = storage.data_ptr(), storage.nbytes()
     got = _address_range(ptr, storage.device.index)
