@@ -130,7 +130,7 @@ def test_cuda_ipc_refuses_a_descriptor_claiming_more_than_its_allocation() -> No
         assert torch.equal(shared[:16384].view(torch.float32).cpu(), torch.full((4096,), 7.0))
         for forged in ({**descs["shared"], "size": 1 << 40}, {**descs["shared"], "offset": 1 << 36},
                        {**descs["ring"], "size": descs["ring"]["size"] * 64}):
-            with pytest.raises(TransportError, match="refused|cannot open|does not know"):
+            with pytest.raises(TransportError, match="refused|cannot open"):
                 CudaIpcTransport().open_shared(1, forged)
     finally:
         p.stdin.write("\n")
