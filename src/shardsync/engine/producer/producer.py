@@ -277,9 +277,9 @@ class Producer:
         self.epoch = asg.epoch
         budget = budget_for(self.metas, cfg.sync_memory_bytes)
         if budget and ring.numel() > budget:  # plans recorded unsplit, or many distinct plans of one group
-            log.warning("producer %d: its ring holds %d bytes (%d slots of %d), above sync_memory_bytes=%d: the "
-                        "consumers' plans were not split to it, or many distinct plans share this rank's groups",
-                        cfg.rank, ring.numel(), n_slots, slot_bytes, budget)
+            log.warning("producer %d: its ring holds %d bytes (%d slots of %d), above sync_memory_bytes=%d: a "
+                        "plan was recorded unsplit, one tensor slice is larger than half the budget, or distinct "
+                        "plans add up in one group", cfg.rank, ring.numel(), n_slots, slot_bytes, budget)
         self.stats = {"rank": cfg.rank, "groups": len(schedule.order), "slot_bytes": slot_bytes,
                       "ring_bytes": ring.numel(), "sync_memory_bytes": budget, "gather_batches": len(schedule.batches),
                       "planned_peak_gathered_bytes": schedule.peak_bytes,
