@@ -23,7 +23,7 @@ from ..errors import PlanError
 from ..types import FALLBACK_PREFIX, Fill, GroupPlan, ParamMeta, Plan, Scatter, itemsize
 from .groups import PART
 
-__all__ = ["split_groups", "part_bytes_for", "budget_for", "DEFAULT_BUDGET_CAP"]
+__all__ = ["split_groups", "split_group", "part_bytes_for", "budget_for", "DEFAULT_BUDGET_CAP"]
 
 DEFAULT_BUDGET_CAP = 1 << 30
 """The default budget is the smaller of a tenth of the model's bytes and this."""

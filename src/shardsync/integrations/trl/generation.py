@@ -24,7 +24,6 @@ server path)::
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator
 
 import torch
@@ -34,8 +33,6 @@ from ...source import WeightSource
 from ...types import ParamMeta, dtype_name
 
 __all__ = ["ShardsyncVLLMGeneration", "TRLParams", "enable_trl", "enable", "SETTINGS"]
-
-log = logging.getLogger("shardsync.trl")
 
 SETTINGS: dict[str, Any] = {}
 """Keyword arguments for every :class:`ShardsyncTrainerInitInfo` this integration builds (group settings such as
