@@ -52,13 +52,18 @@ def test_bench_reports_both_paths_bit_exact(capsys) -> None:
     assert "bit-exact: yes (shardsync yes, baseline yes)" in capsys.readouterr().out
 
 
-def test_gpu_benchmark_baselines_exact_on_cpu(tmp_path) -> None:
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_sync.py"), "--device", "cpu", "--layers", "1",
-                        "--experts", "4", "--scenarios", "A", "--transports", "tcp", "--iters", "1",
+def _gpu_sync_on_cpu(tmp_path, scenario: str, layers: int, experts: int) -> dict:
+    """``benchmarks/gpu_sync.py`` on CPU over tcp, one iteration: its JSON for ``scenario``."""
+    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_sync.py"), "--device", "cpu", "--layers", str(layers),
+                        "--experts", str(experts), "--scenarios", scenario, "--transports", "tcp", "--iters", "1",
                         "--port", str(free_port()), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    a = json.load(open(tmp_path / "gpu_sync.json"))["A"]
+    return json.load(open(tmp_path / "gpu_sync.json"))[scenario]
+
+
+def test_gpu_benchmark_baselines_exact_on_cpu(tmp_path) -> None:
+    a = _gpu_sync_on_cpu(tmp_path, "A", 1, 4)
     assert a["exact"] and a["baseline_exact"], a["baseline_checked"]
     assert all(c["compared"] > 10 for r in a["baseline_checked"].values() for c in r.values()), a["baseline_checked"]
 
@@ -67,10 +72,5 @@ def test_gpu_benchmark_engine_exact_on_cpu_with_split_layers(tmp_path) -> None:
     """Scenario B on CPU over tcp: the zoo engines record their layers in parts (the default sync memory budget is a
     tenth of this tiny model) and run the FP8 process step once every part of a layer is in: exact, kernel tensors
     included."""
-    p = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_sync.py"), "--device", "cpu", "--layers", "2",
-                        "--experts", "16", "--scenarios", "B", "--transports", "tcp", "--iters", "1",
-                        "--port", str(free_port()), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    b = json.load(open(tmp_path / "gpu_sync.json"))["B"]
+    b = _gpu_sync_on_cpu(tmp_path, "B", 2, 16)
     assert b["tcp"]["exact"], b["tcp"]
