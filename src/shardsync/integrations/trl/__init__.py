@@ -1,6 +1,6 @@
 """TRL integration: ``GRPOTrainer`` (and the trainers sharing TRL's ``VLLMGeneration``) synced by shardsync.
 
-One line before the trainer is built selects it (``vllm_mode="colocate"``)::
+One line before the trainer is built selects it (``vllm_mode="colocate"`` or ``"server"``)::
 
     from shardsync import enable_trl     # or shardsync.integrations.trl.enable
     enable_trl()

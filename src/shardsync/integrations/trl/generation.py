@@ -1,4 +1,4 @@
-"""TRL's vLLM generation with shardsync doing the weight sync (colocate mode).
+"""TRL's vLLM generation with shardsync doing the weight sync (colocate and server mode).
 
 TRL (``trl.generation.vllm_generation.VLLMGeneration``, used by ``GRPOTrainer``, ``RLOOTrainer`` and the trainers
 sharing it) syncs a colocated engine by calling the model's ``load_weights`` once per parameter, in-process: every
@@ -12,10 +12,11 @@ tensor goes through the loaders whole, no first-load processing is replayed and 
    (FSDP, DeepSpeed ZeRO-3 gathers, PEFT ``merge_adapter`` -> sync -> ``unmerge_adapter``, its name fixes), read once
    per sync and held merged until the sync is over (:class:`TRLParams`).
 
-Each training process serves its own colocated engine (a trainer rank and its ``LLM``: ``n_producers=1``,
+Colocated, each training process serves its own engine (a trainer rank and its ``LLM``: ``n_producers=1``,
 ``world_size=2``); under FSDP every process gathers the full parameters (TRL's own collectives) and serves them
-locally. ``vllm_mode="server"`` is left to TRL (its NCCL broadcast; see ``docs/adoption.md`` for shardsync's OpenAI
-server path)::
+locally. With ``vllm_mode="server"`` TRL keeps its client for generation (its NCCL communicator is not set up) and the
+main process syncs the server (``vllm serve`` with the shardsync backend) over its weight-transfer routes, the other
+processes taking part in TRL's gathers::
 
     from shardsync import enable_trl
     enable_trl()                           # before the trainer is built: its VLLMGeneration is shardsync's
@@ -24,6 +25,7 @@ server path)::
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Iterator
 
 import torch
@@ -65,18 +67,12 @@ class TRLParams(WeightSource):
         return self._metas
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This sync's pass: exactly as many tensors as the metadata names (the generator is not resumed after
+        the last one); ``iter_groups`` checks their names and order as for every source."""
         self.close()
-        metas = self.metadata()
+        n = len(self.metadata())
         gen = self._open = iter(self.generation._iter_named_params())
-        for m in metas:
-            try:
-                name, t = next(gen)
-            except StopIteration:
-                raise MetadataMismatch(f"TRL's parameters ended before {m.name!r} (the model changed since the "
-                                       "first sync?)") from None
-            if name != m.name:
-                raise MetadataMismatch(f"TRL yielded {name!r} where {m.name!r} was expected (the model changed "
-                                       "since the first sync?)")
+        for name, t in islice(gen, n):
             yield name, t.detach()
 
     def close(self) -> None:
@@ -209,8 +205,8 @@ def __getattr__(name: str) -> Any:  # the class is built on first use: importing
 
 
 def enable_trl(**settings: Any) -> type:
-    """Every TRL trainer built from now on syncs its colocated engine through shardsync: TRL's modules that name
-    ``VLLMGeneration`` get :class:`ShardsyncVLLMGeneration`. ``settings``: keyword arguments of
+    """Every TRL trainer built from now on syncs its vLLM engine (colocated or a server) through shardsync: TRL's
+    modules that name ``VLLMGeneration`` get :class:`ShardsyncVLLMGeneration`. ``settings``: keyword arguments of
     ``ShardsyncTrainerInitInfo`` (``timeout_s=``, ``sync_memory_bytes=``, ``producer_options=``...). Returns the
     class."""
     import importlib
