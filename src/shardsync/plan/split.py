@@ -10,7 +10,7 @@ a fallback loader and any write to the parameters it fills), since parts are app
 stays in one part (a part may then exceed ``part_bytes``, as does one write larger than it). The engine side
 processes a module once every part writing it has been applied (``integrations/vllm/layerwise.LayerApplier``)::
 
-    plan = split_groups(plan, part_bytes_for(metas, budget_bytes=None))   # None: min(10 % of the model, 1 GiB)
+    plan = split_to_budget(plan, metas, budget_bytes=None)   # None: min(10 % of the model, 1 GiB)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ..errors import PlanError
 from ..types import FALLBACK_PREFIX, Fill, GroupPlan, ParamMeta, Plan, Scatter, itemsize
 from .groups import PART
 
-__all__ = ["split_groups", "split_group", "part_bytes_for", "budget_for", "DEFAULT_BUDGET_CAP"]
+__all__ = ["split_to_budget", "split_groups", "split_group", "part_bytes_for", "budget_for", "DEFAULT_BUDGET_CAP"]
 
 DEFAULT_BUDGET_CAP = 1 << 30
 """The default budget is the smaller of a tenth of the model's bytes and this."""
@@ -158,3 +158,9 @@ def split_groups(plan: Plan, part_bytes: int) -> Plan:
     if len(groups) == len(plan.groups):
         return plan
     return msgspec.structs.replace(plan, groups=tuple(groups), digest="").sealed()
+
+
+def split_to_budget(plan: Plan, metas: Sequence[ParamMeta], budget_bytes: int | None) -> Plan:
+    """What a recorder registers: ``plan`` with its groups in parts of half the sync memory budget
+    (``GroupSettings.sync_memory_bytes``; :func:`part_bytes_for`)."""
+    return split_groups(plan, part_bytes_for(metas, budget_bytes))

@@ -30,7 +30,7 @@ from ...engine.consumer.consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
 from ...plan.record import record_plan
-from ...plan.split import part_bytes_for, split_groups
+from ...plan.split import split_to_budget
 from ...types import ParamMeta, Plan, dtype_of
 
 __all__ = ["Receiver"]
@@ -62,7 +62,7 @@ class Receiver:
                 self.tensors[name].copy_(t)
 
         plan = record_plan(metadata=metas, load_weights=load_whole, params=self.tensors, consumer=self.id)
-        return split_groups(plan, part_bytes_for(metas, self.sync_memory_bytes))
+        return split_to_budget(plan, metas, self.sync_memory_bytes)
 
     def _apply(self, group: str, buf: torch.Tensor) -> None:
         u = self._unpackers.get(group)

@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 
 from ...config import GroupSettings, resolve_aliases, settings_of
 from ...errors import SyncError
-from ...plan.split import part_bytes_for, split_groups
+from ...plan.split import split_to_budget
 from ...types import metadata_digest
 from .compat import check_supported
 from .plugin import require_plugin
@@ -222,7 +222,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                              self.rank)
             # checked whole; registered in parts of the sync's memory budget (a module is processed once all
             # the parts writing it are applied: LayerApplier)
-            return split_groups(plan, part_bytes_for(metas, init_info.sync_memory_bytes))
+            return split_to_budget(plan, metas, init_info.sync_memory_bytes)
 
         self.plan = self._find_plan(init_info, consumer, record)
         if owner is not None:

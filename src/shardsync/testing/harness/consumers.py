@@ -19,7 +19,7 @@ import torch
 from ...engine.inprocess import LocalConsumer
 from ...plan.pack import GroupUnpacker, layout_group
 from ...plan.record import record_plan
-from ...plan.split import part_bytes_for, split_groups
+from ...plan.split import split_to_budget
 from ...plan.validate import mismatched
 from ...types import ParamMeta, Plan
 from ..zoo import ZooConfig, ZooModel
@@ -61,7 +61,7 @@ class ZooConsumer:
         k = self.rank_kw
         plan = zoo_plan(self.cfg, metas, self.id, tp=k["tp_size"], tp_rank=k["tp_rank"], ep=k["ep_size"],
                         ep_rank=k["ep_rank"])
-        self.plan = split_groups(plan, part_bytes_for(metas, self.sync_memory_bytes))
+        self.plan = split_to_budget(plan, metas, self.sync_memory_bytes)
         self.unpackers.clear()
         return self.plan
 
