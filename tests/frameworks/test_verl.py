@@ -21,7 +21,7 @@ from verl.checkpoint_engine import CheckpointEngineRegistry
 
 import shardsync.integrations.verl  # noqa: F401  (registers "shardsync")
 from shardsync.errors import MetadataMismatch, SyncError, TransportError
-from shardsync.integrations.verl.stream import owners
+from shardsync.sources.stream import owners
 from shardsync.types import ParamMeta
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ verl's per-update lifecycle, and what each call does here:
 - ``send_weights`` (every trainer rank, the same ``(name, full tensor)`` sequence on each): each tensor is
   served by ONE rank (``stream.owners``); rank 0 publishes the version, every rank runs ``Producer.sync``.
 - ``receive_weights`` (every rollout worker): pulls each group from the rank(s) serving it and yields its
-  ``(name, tensor)`` pairs as soon as the group has landed (``rollout_receiver.Receiver``).
+  ``(name, tensor)`` pairs as soon as the group has landed (``engine/consumer/tensor_receiver.Receiver``).
 - ``finalize``: drops the update's tensor references (trainer side); connections stay up.
 
 Engine kwargs (``checkpoint_engine.engine_kwargs.shardsync``): ``host`` (address to bind and advertise;
@@ -38,12 +38,12 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from ...config import GroupSettings, split_settings
+from ...engine.consumer.tensor_receiver import Receiver
 from ...engine.producer.producer import Producer
 from ...engine.producer.producer_config import ProducerConfig, producer_options
 from ...errors import MetadataMismatch, SyncError
-from .rollout_receiver import Receiver
+from ...sources.stream import StepSource
 from .rendezvous import Rendezvous, lookup
-from .stream import StepSource
 
 __all__ = ["ShardsyncCheckpointEngine"]
 

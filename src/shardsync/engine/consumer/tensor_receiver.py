@@ -1,19 +1,19 @@
-"""The rollout side: a shardsync consumer whose "engine" is a set of full receive tensors.
+"""A consumer whose "engine" is a set of full receive tensors, for frameworks that load ``(name, tensor)`` pairs.
 
-verl's rollout worker wants ``(name, full tensor)`` pairs (its server adapter then loads them into the
-inference engine), so this consumer's plan is the identity: recorded by a dry run of a loader that copies
-each checkpoint tensor whole into a receive tensor of the same name, dtype and shape (``record_plan``, the
-same recording every shardsync consumer uses). Each sync pulls every group from the trainer rank(s) that
-serve it; as soon as a group has been unpacked its names are queued, and ``receive_weights`` yields them
-while later groups are still in flight.
+verl's rollout workers and SkyRL's vLLM workers want ``(name, full tensor)`` pairs (the framework then loads them
+into its inference engine), so this consumer's plan is the identity: recorded by a dry run of a loader that copies
+each checkpoint tensor whole into a receive tensor of the same name, dtype and shape (``record_plan``, the same
+recording every shardsync consumer uses). Each sync pulls every group from the trainer rank(s) that serve it; as
+soon as a group has been unpacked its names are queued, and the reader takes them while later groups are still in
+flight.
 
-Memory: the receive tensors are one full copy of the model, allocated once (at the first update) on
-``device`` and reused every update; a yielded tensor is valid until the next update overwrites it (verl's
-server adapters copy what they are given).
+Memory: the receive tensors are one full copy of the model, allocated once (at the first update) on ``device`` and
+reused every update; a tensor handed out is valid until the next update overwrites it (the frameworks copy what
+they are given into their engine).
 
     rx = Receiver("rollout0", coordinator, settings=GroupSettings(token=token, timeout_s=60))
     rx.start(version=1)                   # consumer init (first time) + sync in a background thread
-    for names in rx.groups():             # group by group, as they land
+    for names in rx.groups(wait_s=65):    # group by group, as they land
         ...
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from ...config import GroupSettings
-from ...engine.consumer.consumer import Consumer
+from .consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
 from ...plan.record import record_plan
@@ -88,7 +88,7 @@ class Receiver:
                 self._q.put(e)
 
         self._q = queue.Queue()
-        self._thread = threading.Thread(target=run, name=f"shardsync-verl-{self.id}", daemon=True)
+        self._thread = threading.Thread(target=run, name=f"shardsync-receiver-{self.id}", daemon=True)
         self._thread.start()
 
     def next_group(self, wait_s: float) -> list[str] | None:

@@ -1,17 +1,18 @@
-"""The trainer side's WeightSource over verl's one-pass ``(name, full tensor)`` generator.
+"""A WeightSource over a one-pass ``(name, full tensor)`` stream that every trainer rank sees alike.
 
-verl's model engines (FSDP, Megatron) hand every trainer rank the same sequence of FULL tensors, one at a
-time (each an all-gather / PP broadcast the ranks run in lockstep). shardsync wants to know which rank
-serves which tensor; here nothing is sharded any more, so ownership is chosen: :func:`owners` splits the
-tensors over the trainer ranks, each to the least-loaded rank so far (by bytes, in metadata order) — a pure
-function of the metadata, so every rank computes the same split and every tensor is pulled from exactly
-one rank. A rank keeps only the tensors it owns and drops the others as soon as they are yielded.
+Frameworks that gather for the rollout side (verl's checkpoint engine, SkyRL's weight extractors) hand every
+trainer rank the same sequence of FULL tensors, one at a time (each an all-gather / PP broadcast the ranks run in
+lockstep). shardsync wants to know which rank serves which tensor; here nothing is sharded any more, so ownership
+is chosen: :func:`owners` splits the tensors over the trainer ranks, each to the least-loaded rank so far (by
+bytes, in metadata order) — a pure function of the metadata, so every rank computes the same split and every
+tensor is pulled from exactly one rank. A rank keeps only the tensors it owns and drops the others as soon as they
+are yielded.
 
 Memory: on the first update the producer needs the model's metadata before it can start, so that pass is
 materialised — each rank keeps the full tensors it owns (about model_bytes / n_trainers) until the update
-ends (``clear()`` in ``finalize``). From the second update on the metadata is known and the generator is
-consumed while the producer serves: a rank then holds its owned tensors only until their group has been
-packed and released (at most the producer's ``lookahead + 1`` groups), as with any shardsync source.
+ends (``clear()``). From the second update on the metadata is known and the stream is consumed while the
+producer serves: a rank then holds its owned tensors only until their group has been packed and released (at
+most the producer's ``lookahead + 1`` groups), as with any shardsync source.
 
     src = StepSource(rank=1, n_trainers=2)
     src.materialise(weights)              # first update: learn metadata, keep owned tensors
@@ -24,9 +25,9 @@ from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
-from ...errors import MetadataMismatch
-from ...source import Batch, WeightSource, check_tensor
-from ...types import ParamMeta, dtype_name
+from ..errors import MetadataMismatch
+from ..source import Batch, WeightSource, check_tensor
+from ..types import ParamMeta, dtype_name
 
 __all__ = ["StepSource", "owners"]
 
