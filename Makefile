@@ -18,6 +18,10 @@ VERL_PKGS := "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0" "omegaconf==2.3.
 # TRL's extra `vllm` pins vllm<=0.31 (it only warns on 0.32, and runs): TRL and PEFT go in without their dependencies,
 # every one of which the packages above already bring (accelerate, datasets, transformers, pandas, pyarrow).
 TRL_PKGS := "trl==1.16.0" "peft==0.21.2"
+# SkyRL (extra `skyrl`): skyrl-train 0.3.1 says Requires-Python 3.12 and pins ray==2.51.1 and vllm==0.11 (extra): it
+# goes in without its dependencies, ignoring its Python pin, with what its weight-sync, trainer-worker and
+# engine-client modules import beyond the packages above (shardsync.integrations.skyrl.ray_compat covers Ray 2.60).
+SKYRL_PKGS := "skyrl-train==0.3.1" "skyrl-gym==0.4.0" "jaxtyping==0.3.11" "wadler-lindig==0.1.8" "func-timeout==4.3.5"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 	$(PY) -m pip install -q --no-deps $(VERL_PKGS)
 	$(PY) -m pip install -q --no-deps $(TRL_PKGS)
-	$(PY) -c "import torch, vllm, shardsync, verl.checkpoint_engine, trl, peft; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__, 'trl', trl.__version__)"
+	$(PY) -m pip install -q --no-deps --ignore-requires-python $(SKYRL_PKGS)
+	$(PY) -c "import torch, vllm, shardsync, verl.checkpoint_engine, trl, peft, skyrl_train; print('venv ok: torch', torch.__version__, 'vllm', vllm.__version__, 'verl', verl.__version__, 'trl', trl.__version__)"
 	$(VENV)/bin/vllm --version
 	touch $(STAMP)
 

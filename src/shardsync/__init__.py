@@ -43,6 +43,7 @@ from .types import GroupPlan, ParamMeta, Plan
 if TYPE_CHECKING:  # the lazy names, for type checkers and readers
     from .engine.consumer.consumer import Consumer
     from .engine.producer.producer import Producer, ProducerConfig
+    from .integrations.skyrl import enable_skyrl
     from .integrations.trl.generation import enable_trl
     from .integrations.vllm.trainer_backend import ShardsyncTrainerInitInfo
     from .sources.fsdp import FSDPSource
@@ -56,7 +57,7 @@ __all__ = [
     # inference side
     "Consumer", "ShardsyncTrainerInitInfo",
     # frameworks
-    "enable_trl",
+    "enable_trl", "enable_skyrl",
     # the group-wide settings every surface embeds
     "GroupSettings",
     # what they exchange
@@ -82,6 +83,8 @@ def __getattr__(name: str) -> Any:
         from .sources import quantize as mod
     elif name == "enable_trl":
         from .integrations.trl import generation as mod             # TRL's GRPOTrainer synced by shardsync
+    elif name == "enable_skyrl":
+        from .integrations import skyrl as mod                      # SkyRL's weight-sync strategy "shardsync"
     elif name == "ShardsyncTrainerInitInfo":
         from .integrations.vllm import trainer_backend as mod       # imports vllm; registers the "shardsync" backend
     else:

@@ -36,6 +36,16 @@ __all__ = ["start_producer", "start_consumer", "engine_init_info", "producer_con
 _RESERVED = ("rank", "n_producers", "n_consumers", "host", "coordinator")
 
 
+def node_address() -> str:
+    """This process's Ray node address (what its servers bind and advertise); ``127.0.0.1`` outside Ray."""
+    try:
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:
+        pass
+    return "127.0.0.1"
+
+
 def producer_config(cfg: dict[str, Any], *, rank: int, n_producers: int, n_consumers: int, host: str,
                     registry: dict[str, Any] | None = None) -> ProducerConfig:
     """A rank's producer config from ``start_producer``'s keyword arguments: the group's settings (rank 0: the given

@@ -9,8 +9,6 @@ Files: ``strategy`` (SkyRL's init info, sender and receiver), ``select`` (the na
 worker; Ray-version compatibility). See ``docs/adoption.md`` (SkyRL).
 """
 
-from .select import enable, ray_compat
-
-enable_skyrl = enable
+from .select import enable, enable_skyrl, ray_compat
 
 __all__ = ["enable", "enable_skyrl", "ray_compat"]

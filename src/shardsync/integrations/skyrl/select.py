@@ -1,7 +1,7 @@
 """How SkyRL picks the ``shardsync`` strategy by name, in every process it starts.
 
 SkyRL 0.3.1 chooses its strategy with a two-way function (``skyrl_train.weight_sync.get_transfer_strategy_cls``:
-CUDA IPC or broadcast), called in each trainer worker's constructor, inside Ray actors. :func:`enable` wraps that
+CUDA IPC or broadcast), called in each trainer worker's constructor, inside Ray actors. :func:`enable_skyrl` wraps that
 function so that ``generator.weight_sync_backend=shardsync`` returns :class:`ShardsyncTransferStrategy` (any other
 value: SkyRL's own choice), here and, through Ray's ``worker_process_setup_hook``, in every Ray worker the job
 starts. Call it in the driver before SkyRL initialises Ray. The inference side needs nothing: the init info is
@@ -20,14 +20,14 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["enable", "ray_compat", "runtime_env_hook", "worker_setup"]
+__all__ = ["enable", "enable_skyrl", "ray_compat", "runtime_env_hook", "worker_setup"]
 
 log = logging.getLogger(__name__)
 
 HOOK_ENV = "RAY_RUNTIME_ENV_HOOK"
 """Ray reads this at ``ray.init``: a function that may change the job's runtime env."""
 NEXT_HOOK_ENV = "SHARDSYNC_SKYRL_NEXT_RAY_HOOK"
-"""A runtime-env hook that was set before :func:`enable` (called after ours)."""
+"""A runtime-env hook that was set before :func:`enable_skyrl` (called after ours)."""
 NEXT_SETUP_ENV = "SHARDSYNC_SKYRL_NEXT_SETUP"
 """A worker setup hook the job already had (called after ours, in every worker)."""
 HOOK = f"{__name__}.runtime_env_hook"
@@ -70,7 +70,7 @@ def _select() -> None:
     ws.get_transfer_strategy_cls = get_transfer_strategy_cls
 
 
-def enable() -> None:
+def enable_skyrl() -> None:
     """``generator.weight_sync_backend=shardsync`` selects shardsync's strategy in this process and in every Ray
     worker of a job started after this call."""
     _select()
@@ -84,6 +84,9 @@ def enable() -> None:
         if current:
             os.environ[NEXT_HOOK_ENV] = current
         os.environ[HOOK_ENV] = HOOK
+
+
+enable = enable_skyrl
 
 
 def runtime_env_hook(runtime_env: dict[str, Any] | None) -> dict[str, Any]:

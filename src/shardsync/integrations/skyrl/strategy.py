@@ -42,6 +42,7 @@ from ...engine.producer.producer import Producer
 from ...engine.producer.producer_config import ProducerConfig, producer_options
 from ...errors import MetadataMismatch, SyncError
 from ...sources.stream import StepSource
+from ..ray.helpers import node_address
 from ...engine.protocol.messages import clip
 
 __all__ = ["ShardsyncInitInfo", "ShardsyncTransferStrategy", "ShardsyncWeightTransferSender",
@@ -54,17 +55,6 @@ BACKEND = "shardsync"
 
 _RESERVED = ("rank", "n_producers", "n_consumers", "host", "coordinator")
 """Producer fields the strategy sets itself."""
-
-
-def _host() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return "127.0.0.1"
 
 
 def _trainer_rank() -> tuple[int, int]:
@@ -186,7 +176,7 @@ class ShardsyncWeightTransferSender(WeightTransferSender):
 
     def _config(self, coordinator: Any) -> ProducerConfig:
         return ProducerConfig(**self.settings.fields(), **self.init_info.producer_options, rank=self.rank,
-                              n_producers=self.n_trainers, n_consumers=self.init_info.n_consumers, host=_host(),
+                              n_producers=self.n_trainers, n_consumers=self.init_info.n_consumers, host=node_address(),
                               coordinator=coordinator)
 
     @staticmethod

@@ -43,23 +43,13 @@ from ...engine.producer.producer import Producer
 from ...engine.producer.producer_config import ProducerConfig, producer_options
 from ...errors import MetadataMismatch, SyncError
 from ...sources.stream import StepSource
+from ..ray.helpers import node_address
 from .rendezvous import Rendezvous, lookup
 
 __all__ = ["ShardsyncCheckpointEngine"]
 
 _RESERVED = ("rank", "n_producers", "n_consumers", "host", "coordinator", "max_chunk_bytes")
 """Producer fields the engine sets itself (``max_chunk_bytes`` is verl's ``bucket_size``)."""
-
-
-def _default_host() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:
-        pass
-    return "127.0.0.1"
 
 
 @CheckpointEngineRegistry.register("shardsync")
@@ -90,7 +80,7 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
         if not self.is_master:
             return {}
         if self.rendezvous is None:
-            self.rendezvous = Rendezvous(host=self.host or _default_host(), token=self.token)
+            self.rendezvous = Rendezvous(host=self.host or node_address(), token=self.token)
         return {"shardsync_rendezvous": list(self.rendezvous.address), "shardsync_token": self.token,
                 "shardsync_settings": {**self.settings.to_dict(), "token": ""}}
 
@@ -169,7 +159,7 @@ class ShardsyncCheckpointEngine(CheckpointEngine):
         """A trainer rank's producer config: the group's settings (rank 0's, from the topology) and this rank's."""
         return ProducerConfig(**self.group_settings(topo).fields(), **self.producer_options, rank=topo["rank"],
                               n_producers=topo["n_trainers"], n_consumers=topo["n_rollout"],
-                              host=self.host or _default_host(), coordinator=coordinator,
+                              host=self.host or node_address(), coordinator=coordinator,
                               max_chunk_bytes=self.bucket_size)
 
     @staticmethod
