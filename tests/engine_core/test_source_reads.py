@@ -106,6 +106,50 @@ def test_direct_consumers_read_the_trainers_tensors_from_the_second_sync_and_sta
         _close(p, zoos)
 
 
+def test_the_ring_is_released_while_every_group_is_read_in_place_and_comes_back_when_one_is_not(monkeypatch) -> None:
+    """Issue 37's memory item: no ring is held for groups every member reads where they lie. Released after the first
+    version served wholly from the trainer's tensors; a group that cannot be read in place then (a re-allocated
+    tensor) is served from a copy of its tensors; the ring comes back for the version after, and for a member that
+    does not map the producer's memory. Every version exact."""
+    sizes: list[int] = []
+    new_ring = Producer._new_ring
+
+    def spy(self, nbytes):
+        ring = new_ring(self, nbytes)
+        sizes.append(ring.numel())
+        return ring
+
+    monkeypatch.setattr(Producer, "_new_ring", spy)
+    p, th, err = _producer(2)
+    zoos = [_Zoo(p.address, "r0/tp0", tp=2, rank=0, transport="loopback", direct_reads=True),
+            _Zoo(p.address, "r0/tp1", tp=2, rank=1, transport="loopback", direct_reads=True)]
+    try:
+        runs = _run(p, th, err, zoos, (1, 2, 3))
+        full, groups = sizes[0], len(p.order)
+        assert full == p.layout.n_slots * p.layout.slot_bytes > 64
+        assert [r[0]["ring_released"] for r in runs] == [False, True, True]
+        assert runs[1][0]["ring_bytes"] == runs[2][0]["ring_bytes"] == 64 == p.ring.numel() and sizes == [full, 64]
+        assert runs[2][0]["source_groups"] == groups and runs[2][0]["copied_groups"] == 0
+        name = next(n for n in p.source._state if "layers.1" in n)
+        p.source._state[name] = p.source._state[name].clone()  # re-allocated: not readable in place this sync
+        st4, _ = _sync(p, zoos, 4)
+        copied = sum(base_group(g) == "model.layers.1" for g in p.order)
+        assert [z.exact(4) for z in zoos] == [True, True]
+        assert st4["copied_groups"] == copied >= 1 and st4["source_groups"] == groups - copied and sizes == [full, 64], st4
+        assert p.held_bytes() == 0 and p.layout.released
+        st5, _ = _sync(p, zoos, 5)  # the ring back for one version (one was copied), then released again
+        assert [z.exact(5) for z in zoos] == [True, True] and st5["copied_groups"] == 0, st5
+        assert sizes == [full, 64, full, 64] and st5["ring_released"]
+        late = _Zoo(p.address, "r1/tp0", tp=2, rank=0, transport="loopback", direct_reads=False)
+        _start([late])
+        zoos.append(late)
+        st6, errs = _sync(p, zoos, 6)  # a member that reads packed groups: the ring is back before it begins
+        assert not errs and [z.exact(6) for z in zoos] == [True, True, True], errs
+        assert sizes == [full, 64, full, 64, full] and not st6["ring_released"] and st6["ring_bytes"] == full, st6
+    finally:
+        _close(p, zoos)
+
+
 def test_a_consumer_that_does_not_map_the_producer_gets_packed_groups() -> None:
     p, th, err = _producer(2)
     zoos = [_Zoo(p.address, "r0/tp0", transport="loopback", direct_reads=True),

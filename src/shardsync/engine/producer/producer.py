@@ -35,6 +35,7 @@ import logging
 import threading
 import time
 from contextlib import suppress
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ from ...security.chunkmac import chunk_key
 from ...delta.sender import DeltaSender, area_bytes
 from .same_batches import SameBatches
 from ..source_reads.source_share import SourceShare
-from .units import RingLayout, build_units
+from .units import RELEASED_RING_BYTES, RingLayout, build_units
 from .versions import VersionState, VersionTable
 from ..protocol.wire import parse_address
 from ...errors import SyncError
@@ -257,18 +258,13 @@ class Producer:
             dense_slot = slot
         old = self.layout
         shrink = old is not None and self._own_transport and slot <= old.slot_bytes // 2  # plans went: give it back
-        if old is None or slot > old.slot_bytes or shrink:
-            if old is not None:  # a rejoiner's plan needs bigger slots, or plans left: a new ring, a new descriptor
-                if not self._own_transport:
-                    raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
-                                    f"{old.slot_bytes}) and the transport was passed in: it cannot be re-registered")
-                self.layout = None
-                del old
-                self.transport.close()
-                self.transport = self._make_transport()
-            slot_bytes = slot
-            ring = torch.zeros(n_slots * slot, dtype=torch.uint8, device=self.lane.device)
-            self.desc = self.transport.register(ring)
+        if old is None or old.released or slot > old.slot_bytes or shrink:
+            if old is not None and not self._own_transport:
+                raise SyncError(f"producer {cfg.rank}: a new plan needs {slot}-byte ring slots (have "
+                                f"{old.slot_bytes}) and the transport was passed in: it cannot be re-registered")
+            self.layout = None  # the old ring goes before the new one is allocated
+            del old
+            ring, slot_bytes = self._new_ring(n_slots * slot), slot
         else:
             ring, slot_bytes = old.ring, old.slot_bytes
         self.layout = RingLayout(
@@ -281,9 +277,52 @@ class Producer:
                         "plan was recorded unsplit, one tensor slice is larger than half the budget, or distinct "
                         "plans add up in one group", cfg.rank, ring.numel(), n_slots, slot_bytes, budget)
         self.stats = {"rank": cfg.rank, "groups": len(schedule.order), "slot_bytes": slot_bytes,
-                      "ring_bytes": ring.numel(), "sync_memory_bytes": budget, "gather_batches": len(schedule.batches),
+                      "ring_bytes": ring.numel(), "ring_released": False, "sync_memory_bytes": budget, "gather_batches": len(schedule.batches),
                       "planned_peak_gathered_bytes": schedule.peak_bytes,
                       **(delta.stats() if delta is not None else {})}
+
+    def _new_ring(self, nbytes: int) -> torch.Tensor:
+        """A ring of ``nbytes`` registered as this rank's descriptor. A ring registered before goes with its transport:
+        a new transport (and source shares on it) is made (the callers check that the transport is this rank's own)."""
+        if hasattr(self, "desc"):
+            self.transport.close()
+            self.transport = self._make_transport()
+            if self.shares is not None:  # descriptors of the old transport's shares are gone with it
+                self.shares = SourceShare.configured(self.cfg, self.transport, gpu=self.lane.cuda,
+                                                     checksums=self.checksums)
+        ring = torch.zeros(max(nbytes, RELEASED_RING_BYTES), dtype=torch.uint8, device=self.lane.device)
+        self.desc = self.transport.register(ring)
+        return ring
+
+    def _release_ring(self) -> None:
+        """After a version that served every group of this rank from the trainer's tensors (source reads: every
+        member maps them), the ring is let go — a 64-byte stand-in keeps a descriptor — until a version needs it
+        again (:meth:`_ring_for`). A transport passed in, or one group packed, keeps it."""
+        lay = self.layout
+        if lay is None or lay.released or self.shares is None or not self._own_transport or lay.delta is not None \
+                or not lay.order or not lay.by_source.issuperset(lay.order):
+            return
+        self.layout = None
+        ring = self._new_ring(0)
+        self.layout = replace(lay, ring=ring, released=True)
+        del lay
+        self.stats.update(ring_bytes=ring.numel(), ring_released=True)
+        log.info("producer %d: every group was served from the trainer's tensors: ring released", self.cfg.rank)
+
+    def _ring_for(self, st: VersionState) -> None:
+        """At a version's start: a released ring comes back when a member might need packed groups (it did not say
+        it maps this rank's memory, or the last version packed a group)."""
+        lay = self.layout
+        if lay is None or not lay.released:
+            return
+        if st.members and all(self.table.reads_sources.get(c) for c in st.members) \
+                and lay.by_source.issuperset(lay.order):
+            return
+        self.layout = None
+        ring = self._new_ring(lay.n_slots * lay.slot_bytes)
+        self.layout = replace(lay, ring=ring, released=False)
+        del lay
+        self.stats.update(ring_bytes=ring.numel(), ring_released=False)
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":
@@ -307,7 +346,9 @@ class Producer:
             ctx = self._sync_context()
             if block:
                 with hot_path(self.cfg.switch_interval_s):
-                    return ProducerSync(ctx, version, st, self.source).run()
+                    out = ProducerSync(ctx, version, st, self.source).run()
+                self._release_ring()
+                return {**out, "ring_bytes": self.stats["ring_bytes"], "ring_released": self.layout.released}
             assert ctx.layout is not None
             snap = Snapshot(self.source, ctx.layout.schedule, self.metas, version=version, rank=self.cfg.rank,
                             budget_bytes=self.cfg.gather_budget_bytes)
@@ -354,6 +395,7 @@ class Producer:
         digests = {u.digest for us in self.units.values() for u in us}
         st = self.table.begin(version, {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
                               incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
+        self._ring_for(st)  # before ProducerReady: the descriptor it sends is this version's
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
                                          desc=self.desc), timeout_s=quick)
         return st

@@ -26,7 +26,7 @@ from .sync_context import SyncContext
 from .versions import VersionState
 from ...security.chunkmac import chunk_tag
 from ..protocol.wire import chunk_checksum
-from ...errors import MetadataMismatch, ProducerLost, TransportError
+from ...errors import MetadataMismatch, ProducerLost, SyncError, TransportError
 from ...delta.sender import codec_align, entry_payload_bytes
 from ...source import check_tensor
 
@@ -59,6 +59,8 @@ class ProducerSync:
         """Group -> the source tensors it is served from (source reads), until every member released it."""
         self.by_source: set[str] = set()
         """Groups served by their source tensors this sync (``engine/source_reads/source_share.py``)."""
+        self.copied: set[str] = set()
+        """Groups served from a copy of their tensors this sync (the ring released, ``RingLayout.released``)."""
         self.batches_reused = 0
         """Gather batches whose checks were skipped: the source yielded the same objects as last sync."""
         self._it: Iterator[Any] | None = None
@@ -107,7 +109,8 @@ class ProducerSync:
                          source_stats=ctx.source_stats(),
                          completed=outcome.completed, dropped={**outcome.dropped, **st.dropped},
                          dropped_at=dict(st.dropped_at), slot_wait_s=self.slot_wait_s, gather_s=self.gather_s,
-                         pack_s=self.pack_s, batches_reused=self.batches_reused, source_groups=len(self.by_source))
+                         pack_s=self.pack_s, batches_reused=self.batches_reused, source_groups=len(self.by_source - self.copied),
+                         copied_groups=len(self.copied))
         return dict(ctx.stats)
 
     def _gather_and_pack(self) -> None:
@@ -145,6 +148,13 @@ class ProducerSync:
                     dropped = []
                     continue
                 self.await_slot(g)
+                if lay.released:  # no ring: served from a copy of its tensors, which takes the slot's turn
+                    t4 = time.perf_counter()
+                    self.sent += self.serve_copy(g, kept, dropped)
+                    dropped = []
+                    self.pack_s += time.perf_counter() - t4
+                    t3 = time.perf_counter()
+                    continue
                 t4 = time.perf_counter()
                 self.max_resident = max(self.max_resident, len(self.slot_of) + 1)
                 slot = self.free.pop(0)
@@ -159,7 +169,7 @@ class ProducerSync:
                 dropped.extend(gone)
         self.lockstep_done = True
         self.batches_reused = same.hits - hits0
-        lay.by_source = self.by_source
+        lay.by_source = self.by_source - self.copied
         no_more_batches(it, rank=rank, n_batches=len(ls.batches))
         self.pub.submit(lambda: None, what="the last pack", hold=dropped)
         self.pub.flush()
@@ -243,6 +253,24 @@ class ProducerSync:
 
         self.pub.submit(announce, what=f"serving group {g!r} from its source tensors", hold=hold)
         return sum(u.chunk.nbytes * len(live.get(u.digest, ())) for u in units)
+
+    def serve_copy(self, g: str, full: dict[str, torch.Tensor], hold: list) -> int:
+        """With the ring released: serve group ``g``, which cannot be read where its tensors lie this sync (the trainer
+        re-allocated one, say), from a copy of them. The copy holds a free slot's turn (schedule rule 4 still bounds
+        what is resident) until every member released it. A member that does not map this rank's memory cannot be
+        served: the version fails (the next one starts with a ring)."""
+        ctx, names = self.ctx, self.layout.unit_sources[g]
+        if not self.all_map(g):
+            raise SyncError(f"producer {self.cfg.rank}: version {self.version} began without a ring (every member "
+                            f"mapped this rank's memory) and a member of group {g!r} no longer does: the version "
+                            "fails, the next one is served with a ring")
+        with ctx.lane:  # after the stream that wrote the weights
+            copies = {n: full[n].clone() for n in names}
+        blob = ctx.shares.encode(names, copies)
+        self.slot_of[g] = self.free.pop(0)
+        self.copied.add(g)
+        self.max_resident = max(self.max_resident, len(self.slot_of))
+        return self.serve_sources(g, copies, blob, hold)
 
     def pack(self, g: str, slot: int, full: dict[str, torch.Tensor], hold: list) -> int:
         """Pack every unit of group ``g`` into ring slot ``slot`` (on the lane) and have it announced once the pack

@@ -25,7 +25,10 @@ from ...plan.pack import Chunk, GroupPacker, _align
 from ...plan.route import chunk_layouts, digest_of, holders_from_ownership
 from ...types import ParamMeta, Plan
 
-__all__ = ["Unit", "RingLayout", "build_units"]
+__all__ = ["Unit", "RingLayout", "build_units", "RELEASED_RING_BYTES"]
+
+RELEASED_RING_BYTES = 64
+"""What stands in for a released ring (a transport registers a buffer; no chunk is ever read from it)."""
 
 
 @dataclass
@@ -60,6 +63,10 @@ class RingLayout:
     """Delta sync's sender (``ProducerConfig.delta``), or None."""
     by_source: set[str] = field(default_factory=set)
     """Groups served by their source tensors last sync (no ring slot awaited for them); each sync replaces it."""
+    released: bool = False
+    """The ring is let go (``ring`` is a stand-in of ``RELEASED_RING_BYTES``): every member maps the trainer's
+    tensors and the last version served every group from them. A group that cannot be served from them this
+    version is served from a copy of its tensors (at most ``n_slots`` at once) instead of a ring slot."""
 
     @property
     def order(self) -> list[str]:

@@ -71,7 +71,7 @@ class SourceShare:
         blob = None
         if not self.overlapping(same).intersection(batches):
             try:
-                blob = self._encode(names, kept)
+                blob = self.encode(names, kept)
             except TransportError:
                 blob = None  # a tensor the transport cannot share (another device): packed, as before
         self._tables[group] = (serials, blob)
@@ -104,7 +104,9 @@ class SourceShare:
         self._bad = (same.serial, frozenset(bad))
         return self._bad[1]
 
-    def _encode(self, names: list[str], kept: dict[str, torch.Tensor]) -> bytes:
+    def encode(self, names: list[str], kept: dict[str, torch.Tensor]) -> bytes:
+        """The encoded :class:`~shardsync.engine.protocol.messages.SourceTable` of tensors ``names`` of ``kept``, as
+        they lie (no check that they stay unchanged: the caller holds them, as for a copy it made)."""
         storages: list[dict[str, Any]] = []
         index: dict[int, int] = {}
         rows = []
