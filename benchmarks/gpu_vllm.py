@@ -179,6 +179,9 @@ def phase(args) -> dict:
         torch.cuda.synchronize()
         times.append(round(time.perf_counter() - t0, 4))
         trainer_peak = max(trainer_peak, torch.cuda.max_memory_allocated())
+        if shard:  # stage clocks of this sync, trainer and worker side (read after the timed part)
+            out.setdefault("clocks", []).append({"trainer": _clocks(eng.producer.stats, _TRAINER_CLOCKS),
+                                                 "worker": llm.collective_rpc(_worker_clocks)[0]})
     out["sync_s"] = times
     if shard and args.delta is not None:  # the last sync's delta counters, trainer and worker side
         out["delta"] = {k: v for k, v in eng.producer.stats.items() if k.startswith("delta_")}
@@ -246,6 +249,20 @@ def _torn_round(llm, send, source, step, last: int) -> dict:
     if CHANGED is not None:  # delta sync: what the torn sync wrote is no base, so the heal read it dense
         r["delta_heal"] = llm.collective_rpc(_wire)[0]
     return r
+
+
+_TRAINER_CLOCKS = ("seconds", "gather_s", "pack_s", "slot_wait_s")
+_WORKER_CLOCKS = ("seconds", "apply_s", "read_s", "ready_wait_s")
+
+
+def _clocks(stats: dict, keys: tuple[str, ...]) -> dict:
+    return {k: round(float(stats[k]), 5) for k in keys if isinstance(stats.get(k), (int, float))}
+
+
+def _worker_clocks(worker) -> dict:  # runs in the vLLM worker: its last update window and its consumer's clocks
+    eng = worker.weight_transfer_engine
+    return {"window_s": round(float(eng.last_status.get("seconds", 0.0)), 5),
+            **_clocks(eng.consumer.stats if eng.consumer is not None else {}, _WORKER_CLOCKS)}
 
 
 def _wire(worker) -> dict:  # runs in the vLLM worker: what its consumer read in the last sync

@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="zoo: loader-zoo consumer processes (vLLM loader semantics); vllm: real vLLM replicas "
                         "(tiny checkpoint) against full tensors through update_weights")
     b.add_argument("--producers", type=int, default=2)
+    b.add_argument("--paths", choices=["both", "direct", "general"], default="both",
+                   help="--consumers vllm: both (even replicas write directly where the init check allows, odd ones "
+                        "take the general path, timed in the same rounds), direct or general")
     b.add_argument("--replicas", type=int, default=None, help="default 2 (--delta: 1)")
     b.add_argument("--tp", type=int, default=None, help="default 2 (--delta: 1)")
     b.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])

@@ -13,7 +13,7 @@ import pytest
 from helpers import free_port
 
 from shardsync.programs.baseline import chunks, owners
-from shardsync.programs.bench import run_bench
+from shardsync.programs.bench import replica_paths, run_bench
 from shardsync.testing.harness.cluster import LocalCluster
 from shardsync.types import ParamMeta
 from shardsync.testing.zoo import ZooConfig
@@ -50,6 +50,17 @@ def test_bench_reports_both_paths_bit_exact(capsys) -> None:
     assert out["shardsync_exact"] is True and out["baseline_exact"] is True and out["exact"] is True, out
     assert out["shardsync_s"] > 0 and out["baseline_s"] > 0, out
     assert "bit-exact: yes (shardsync yes, baseline yes)" in capsys.readouterr().out
+
+
+def test_vllm_bench_paths_split_replicas_and_refuse_bad_choices() -> None:
+    """``bench --consumers vllm --paths``: both alternates (even replicas direct) so each path is timed in the same
+    rounds; a path with no replica of its own, or an unknown one, is refused before any engine starts."""
+    assert replica_paths("both", 4) == [True, False, True, False]
+    assert replica_paths("direct", 2) == [True, True] and replica_paths("general", 3) == [False] * 3
+    with pytest.raises(ValueError, match="at least 2 replicas"):
+        replica_paths("both", 1)
+    with pytest.raises(ValueError, match="expected both, direct or general"):
+        replica_paths("fast", 2)
 
 
 def _gpu_sync_on_cpu(tmp_path, scenario: str, layers: int, experts: int) -> dict:

@@ -151,17 +151,32 @@ def run_bench(*, model: str = "qwen3-moe-bench", producers: int = 2, replicas: i
     return out
 
 
+def replica_paths(paths: str, replicas: int) -> list[bool]:
+    """Per replica, whether it writes directly (``--paths``): ``both`` alternates, even replicas direct."""
+    if paths not in ("both", "direct", "general"):
+        raise ValueError(f"paths={paths!r}: expected both, direct or general")
+    if paths == "both" and replicas < 2:
+        raise ValueError(f"paths='both' needs at least 2 replicas (one per path), got {replicas}")
+    return [i % 2 == 0 if paths == "both" else paths == "direct" for i in range(replicas)]
+
+
 def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transport: str = "tcp", syncs: int = 3,
-                   arch: str = "qwen3_moe", size: str = "bench", as_json: bool = False) -> dict:
+                   arch: str = "qwen3_moe", size: str = "bench", paths: str = "both", as_json: bool = False) -> dict:
     """``--consumers vllm``: shardsync (workers pull their slices from producer processes) against the
     baseline of every full tensor reaching every worker through ``update_weights`` and vLLM's own
     loaders (what RPC/broadcast-based syncs do), on a tiny checkpoint. The last round of each is compared
-    with a FRESH engine started on the same weights (every tensor, probes, tokens)."""
+    with a FRESH engine started on the same weights (every tensor, probes, tokens).
+
+    ``paths``: ``both`` (even replicas write directly where the init check allows, odd ones take the general path:
+    layerwise buffers and first-load processing replay for every module; each path's update window timed in the same
+    rounds), ``direct`` or ``general`` (every replica)."""
     import os
     import tempfile
 
     from ..verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
     from ..testing.harness.vllm_replica import full_update, parallel, vllm_cluster
+
+    replica_paths(paths, replicas)  # a bad choice is refused before any engine starts
 
     ckpt = build_tiny_checkpoint(arch, os.path.join(tempfile.gettempdir(), "shardsync-bench", f"{arch}-{size}"),
                                  size=size)
@@ -169,15 +184,25 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     model_bytes = sum(t.nbytes for t in base.values())
     print(f"model {arch} ({size}, real vLLM): {model_bytes / 1e6:.2f} MB; {producers} producers -> {replicas} vLLM "
           f"replicas x TP{tp} over {transport}")
+    direct = replica_paths(paths, replicas)
     ours, basel, exact = [], [], True
-    with vllm_cluster(ckpt, producers=producers, replicas=replicas, tp=tp, transport=transport) as (cluster, reps):
+    windows: dict[str, list[float]] = {"direct": [], "general": []}
+    with vllm_cluster(ckpt, producers=producers, replicas=replicas, tp=tp, transport=transport,
+                      direct=direct) as (cluster, reps):
         v = 0
         for i in range(syncs + 1):
             v += 1
             t0 = time.perf_counter()
             parallel([lambda: cluster.sync(v), lambda: reps.sync(v)])
             t_ours = time.perf_counter() - t0
-            per = [s["bytes_received"] for s in reps.status()]
+            st = reps.status()
+            per = [s["bytes_received"] for s in st]
+            if i:  # each replica's update window (its slowest worker), by path
+                for r, d in enumerate(direct):
+                    windows["direct" if d else "general"].append(
+                        max(w.get("seconds", 0.0) for w in st[r * tp:(r + 1) * tp]))
+            modules = {("direct" if d else "general"): [st[r * tp].get(k) for k in ("direct_modules", "general_modules")]
+                       for r, d in enumerate(direct)}
             if i == syncs:
                 ok, bad, _ = reps.check_against_fresh(perturb(base, v), tag="-ours")
                 exact &= ok
@@ -201,9 +226,15 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     s_, b_ = statistics.median(ours), statistics.median(basel)
     out = {"model": arch, "consumers_kind": "vllm", "model_bytes": model_bytes, "consumers": replicas * tp,
            "shardsync_s": round(s_, 4), "baseline_s": round(b_, 4), "speedup_vs_baseline": round(b_ / s_, 2),
-           "bytes_per_consumer": per, "gbps": round(sum(per) / s_ / 1e9, 4), "exact": bool(exact)}
+           "bytes_per_consumer": per, "gbps": round(sum(per) / s_ / 1e9, 4), "exact": bool(exact),
+           "paths": {k: {"window_s": round(statistics.median(v), 4), "direct_modules_per_worker": modules[k][0],
+                         "general_modules_per_worker": modules[k][1]} for k, v in windows.items() if v}}
     print(f"shardsync {s_:.3f} s, baseline {b_:.3f} s: {b_ / s_:.2f}x; equal to a fresh engine: "
           f"{'yes' if exact else 'NO'}")
+    for k, r in out["paths"].items():
+        print(f"  {k} path: update window {r['window_s']:.3f} s (median, slowest worker), "
+              f"modules per worker: {r['direct_modules_per_worker']} written directly, "
+              f"{r['general_modules_per_worker']} on the general path")
     if as_json:
         emit_json(out)
     return out
@@ -336,7 +367,7 @@ def run(args) -> int:
         return 0 if all(x["exact"] for x in r["modes"].values()) else 1
     if args.consumers == "vllm":
         r = run_bench_vllm(producers=args.producers, replicas=args.replicas, tp=args.tp, transport=args.transport,
-                           syncs=args.syncs, as_json=args.json)
+                           syncs=args.syncs, paths=args.paths, as_json=args.json)
     else:
         r = run_bench(model=args.model, producers=args.producers, replicas=args.replicas, tp=args.tp,
                       transport=args.transport, syncs=args.syncs, as_json=args.json)

@@ -61,33 +61,49 @@ _UNCHECKED: list[str] = []
 log = logging.getLogger("shardsync.cuda_ipc")
 
 
-def _address_range(ptr: int, device: int) -> tuple[int, int] | None:
-    """(base, size) of the allocation holding device address ``ptr`` (``cuMemGetAddressRange``), or None where the
-    driver cannot say."""
+def _address_range(ptr: int, device: int) -> tuple[int, int] | str:
+    """(base, size) of the allocation holding device address ``ptr`` (``cuMemGetAddressRange``), or why the driver
+    cannot say. The device's primary context (torch's) is made current for the call where the thread has none: a
+    thread that has not run a kernel yet has no current context, and the driver then answers
+    CUDA_ERROR_INVALID_CONTEXT for any address."""
     try:
         cu = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-    fn = cu.cuMemGetAddressRange_v2
-    fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-    with torch.cuda.device(device):
-        rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    return (base.value, size.value) if rc == 0 else None
+    except OSError as e:
+        return f"no libcuda: {e}"
+    u64, vp = ctypes.c_uint64, ctypes.c_void_p
+    base, size, ctx, dev = u64(0), ctypes.c_size_t(0), vp(0), ctypes.c_int(0)
+    get = cu.cuMemGetAddressRange_v2
+    get.argtypes = [ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_size_t), u64]
+    pushed = False
+    if cu.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        if cu.cuDeviceGet(ctypes.byref(dev), device) != 0 or cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return f"no primary context on device {device}"
+        pushed = cu.cuCtxPushCurrent_v2(ctx) == 0
+    try:
+        rc = get(ctypes.byref(base), ctypes.byref(size), u64(ptr))
+    finally:
+        if pushed:
+            cu.cuCtxPopCurrent_v2(ctypes.byref(vp(0)))
+            cu.cuDevicePrimaryCtxRelease_v2(dev)
+    return (base.value, size.value) if rc == 0 else f"cuMemGetAddressRange returned CUresult {rc}"
 
 
-def check_mapped(storage: Any, handle: bytes | None, what: str) -> None:
-    """A peer's descriptor names its storage's size and offset itself: refuse one reaching past the allocation the
-    handle opened (reads there would touch memory the peer never shared, or fault the device)."""
+def check_mapped(storage: Any, handle: bytes | None, offset: int, what: str) -> None:
+    """A peer's descriptor names its storage's size and its offset into the allocation itself: refuse one reaching
+    past the allocation the handle opened (reads there would touch memory the peer never shared, or fault the
+    device). The allocation is asked for at the handle's own mapping (the storage's address less the claimed offset,
+    an address the driver always knows), so a forged offset past the allocation is caught as a forged size is."""
     if not _malloc_handle(handle) or storage.nbytes() == 0:
         return
     ptr, n = storage.data_ptr(), storage.nbytes()
-    got = _address_range(ptr, storage.device.index)
-    if got is None:  # cannot be checked here: said once, not refused (an honest peer's read must not break)
+    if offset < 0:
+        raise TransportError(f"cuda_ipc: {what} claims a negative offset {offset}: refused")
+    got = _address_range(ptr - offset, storage.device.index)
+    if isinstance(got, str):  # cannot be checked here: said once, not refused (an honest peer's read must not break)
         if not _UNCHECKED:
             _UNCHECKED.append(what)
-            log.warning("cuda_ipc: the driver cannot tell the allocation behind %s: peer descriptors' sizes are "
-                        "not checked in this process", what)
+            log.warning("cuda_ipc: the driver cannot tell the allocation behind %s (%s): peer descriptors' sizes "
+                        "are not checked in this process", what, got)
         return
     base, size = got
     if ptr < base or ptr + n > base + size:
@@ -145,7 +161,7 @@ class CudaIpcTransport:
         except (RuntimeError, KeyError, TypeError, ValueError) as e:
             raise TransportError(f"cuda_ipc: cannot open producer {producer}'s {what}: {type(e).__name__}: {e}") \
                 from None
-        check_mapped(storage, handle, f"producer {producer}'s {what}")
+        check_mapped(storage, handle, int(desc["offset"]), f"producer {producer}'s {what}")
         return storage
 
     def view(self, producer: int) -> torch.Tensor | None:

@@ -172,6 +172,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.rank = _rank()
         self.plan = None
         self.consumer = None
+        self.last_status: dict[str, Any] = {}
+        """What the last window (or init) reported: the status file's content (``seconds``: the update window)."""
         self.applier: LayerApplier | None = None
         self.processor: FreshProcessor | None = None
         self.direct: list[str] = []
@@ -375,7 +377,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             self._floor = None  # complete: later versions must be newer than this one
         self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
                             "processed_modules": len(self.processor.processed),
-                            "direct_modules": len(self.direct),
+                            "direct_modules": len(self.direct), "general_modules": len(self.not_direct),
                             "rebound_modules": len(self.processor.rebound),
                             # what crossed the wire (with delta sync: payloads + dense reads), and the delta counters
                             "wire": self._wire})
@@ -427,11 +429,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         return {"rank": self.rank, **self.held.state()}
 
     def _write_status(self, extra: dict[str, Any]) -> None:
-        if not self.plan_dir:
-            return
         status = {"rank": self.rank, "version": self.held.pending if self.held.pending is not None else self.version,
                   "bytes_received": self._bytes, **self.sync_state(), "inconsistent": self.held.torn, **extra}
-        _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
+        self.last_status = status
+        if self.plan_dir:
+            _write_json(os.path.join(self.plan_dir, f"status_rank{self.rank}.json"), status)
 
     def shutdown(self) -> None:
         """Bounded (``SHUTDOWN_BOUND_S``): after a failed pull the producers may be gone or stalled, and a

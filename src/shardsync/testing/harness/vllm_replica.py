@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ...verify.reference import (PROMPT, compare_with, cpu_env, engine_kwargs, fresh_reference,
                                             generate, inspect_engine, shutdown)
@@ -61,7 +61,7 @@ class VllmEngine:
     def __init__(self, model_dir: str, *, name: str = "r0", tp: int = 1, coordinator: Any = None, token: str = "",
                  transport: str = "tcp", group: str | None = None, plan_dir: str | None = None,
                  timeout_s: float = 120.0, validate: bool = True, seed: int | None = None, connect: bool = True,
-                 delta: bool = False, session: str = ""):
+                 delta: bool = False, session: str = "", direct_writes: bool = True):
         cpu_env(tp)  # before vLLM starts
         from vllm import LLM
 
@@ -69,7 +69,8 @@ class VllmEngine:
         self.plan_dir = plan_dir or tempfile.mkdtemp(prefix=f"shardsync-{name}-")
         self.llm = LLM(**engine_kwargs(model_dir, tp, False, **({} if seed is None else {"seed": seed})))
         info = {"replica": name, "plan_dir": self.plan_dir, "timeout_s": timeout_s, "validate": validate,
-                **({"delta": True} if delta else {}), **({"session": session} if session else {})}
+                **({"delta": True} if delta else {}), **({"session": session} if session else {}),
+                **({} if direct_writes else {"direct_writes": False})}
         if group is not None:  # a Ray actor: the group's address, token and transport come from Ray's registry
             from ...integrations.ray import engine_init_info
 
@@ -251,10 +252,15 @@ class VllmReplicas:
     """
 
     def __init__(self, model_dir: str, *, replicas: int, tp: int, coordinator: list[Any], token: str,
-                 transport: str = "tcp", timeout_s: float = 120.0, validate: bool = True, delta: bool = False):
+                 transport: str = "tcp", timeout_s: float = 120.0, validate: bool = True, delta: bool = False,
+                 direct: Sequence[bool] | None = None):
+        """``direct``: per replica, whether its workers write directly where the init check allows (default all)."""
+        direct = [True] * replicas if direct is None else list(direct)
+        if len(direct) != replicas:
+            raise ValueError(f"direct names {len(direct)} replicas, expected {replicas}")
         self.engines = [VllmEngine(model_dir, name=f"r{i}", tp=tp, coordinator=coordinator, token=token,
                                    transport=transport, timeout_s=timeout_s, validate=validate, connect=False,
-                                   delta=delta)
+                                   delta=delta, direct_writes=direct[i])
                         for i in range(replicas)]
 
     def init(self) -> None:
@@ -278,7 +284,7 @@ class VllmReplicas:
 
 @contextlib.contextmanager
 def vllm_cluster(checkpoint: str, *, producers: int, replicas: int, tp: int, transport: str = "tcp",
-                 timeout_s: float = 300.0) -> Iterator[tuple[Any, VllmReplicas]]:
+                 timeout_s: float = 300.0, direct: Sequence[bool] | None = None) -> Iterator[tuple[Any, VllmReplicas]]:
     """Producer processes (the local cluster: PP shares of ``checkpoint``, perturbed by each version) serving
     ``replicas`` engines of TP ``tp`` in this process, every worker's plan registered: ``(cluster, replicas)``.
 
@@ -291,7 +297,7 @@ def vllm_cluster(checkpoint: str, *, producers: int, replicas: int, tp: int, tra
                            external_consumers=replicas * tp, transport=transport, timeout_s=timeout_s)
     try:
         reps = VllmReplicas(checkpoint, replicas=replicas, tp=tp, coordinator=cluster.coordinator,
-                            token=cluster.token, transport=transport, timeout_s=timeout_s)
+                            token=cluster.token, transport=transport, timeout_s=timeout_s, direct=direct)
         try:
             reps.init()
             cluster.wait_ready()
