@@ -168,8 +168,9 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     with a FRESH engine started on the same weights (every tensor, probes, tokens).
 
     ``paths``: ``both`` (even replicas write directly where the init check allows, odd ones take the general path:
-    layerwise buffers and first-load processing replay for every module; each path's update window timed in the same
-    rounds), ``direct`` or ``general`` (every replica)."""
+    layerwise buffers and first-load processing replay for every module; each path's update window, and the part of
+    it its apply thread spent scattering and processing, timed in the same rounds: the pulls share the producers, so
+    the windows differ by what applying costs), ``direct`` or ``general`` (every replica)."""
     import os
     import tempfile
 
@@ -187,6 +188,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     direct = replica_paths(paths, replicas)
     ours, basel, exact = [], [], True
     windows: dict[str, list[float]] = {"direct": [], "general": []}
+    applies: dict[str, list[float]] = {"direct": [], "general": []}
     with vllm_cluster(ckpt, producers=producers, replicas=replicas, tp=tp, transport=transport,
                       direct=direct) as (cluster, reps):
         v = 0
@@ -199,8 +201,9 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
             per = [s["bytes_received"] for s in st]
             if i:  # each replica's update window (its slowest worker), by path
                 for r, d in enumerate(direct):
-                    windows["direct" if d else "general"].append(
-                        max(w.get("seconds", 0.0) for w in st[r * tp:(r + 1) * tp]))
+                    workers = st[r * tp:(r + 1) * tp]
+                    windows["direct" if d else "general"].append(max(w.get("seconds", 0.0) for w in workers))
+                    applies["direct" if d else "general"].append(max(w.get("apply_s", 0.0) for w in workers))
             modules = {("direct" if d else "general"): [st[r * tp].get(k) for k in ("direct_modules", "general_modules")]
                        for r, d in enumerate(direct)}
             if i == syncs:
@@ -227,12 +230,14 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     out = {"model": arch, "consumers_kind": "vllm", "model_bytes": model_bytes, "consumers": replicas * tp,
            "shardsync_s": round(s_, 4), "baseline_s": round(b_, 4), "speedup_vs_baseline": round(b_ / s_, 2),
            "bytes_per_consumer": per, "gbps": round(sum(per) / s_ / 1e9, 4), "exact": bool(exact),
-           "paths": {k: {"window_s": round(statistics.median(v), 4), "direct_modules_per_worker": modules[k][0],
+           "paths": {k: {"window_s": round(statistics.median(v), 4),
+                         "apply_s": round(statistics.median(applies[k]), 4), "direct_modules_per_worker": modules[k][0],
                          "general_modules_per_worker": modules[k][1]} for k, v in windows.items() if v}}
     print(f"shardsync {s_:.3f} s, baseline {b_:.3f} s: {b_ / s_:.2f}x; equal to a fresh engine: "
           f"{'yes' if exact else 'NO'}")
     for k, r in out["paths"].items():
-        print(f"  {k} path: update window {r['window_s']:.3f} s (median, slowest worker), "
+        print(f"  {k} path: update window {r['window_s']:.3f} s, applying {r['apply_s']:.3f} s of it (medians, "
+              "slowest worker), "
               f"modules per worker: {r['direct_modules_per_worker']} written directly, "
               f"{r['general_modules_per_worker']} on the general path")
     if as_json:

@@ -378,6 +378,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self._write_status({"op": self._op, "missing_groups": missing, "seconds": time.perf_counter() - self._t0,
                             "processed_modules": len(self.processor.processed),
                             "direct_modules": len(self.direct), "general_modules": len(self.not_direct),
+                            # the consumer's apply thread: scatters (+ processing replay on the general path)
+                            "apply_s": (self.consumer.stats.get("apply_s", 0.0) if self.consumer else 0.0)
+                            if self.held.pending is not None else 0.0,
                             "rebound_modules": len(self.processor.rebound),
                             # what crossed the wire (with delta sync: payloads + dense reads), and the delta counters
                             "wire": self._wire})
