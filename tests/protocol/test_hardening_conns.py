@@ -66,3 +66,34 @@ def test_a_busy_authenticated_connection_is_never_cut_and_idle_ones_time_out() -
             c.close()
     finally:
         srv.close()
+
+
+def test_wait_answered_returns_when_the_last_answer_has_gone_out_and_not_before() -> None:
+    """A producer lets the answers to releases go out before it returns from a sync (``Producer._drain``): the server
+    wakes that wait when an answer is sent (no polling), reports False while one is still being handled, and a kind
+    it is not asked about does not hold it."""
+    release = threading.Event()
+
+    def slow(msg):
+        if isinstance(msg, m.Pending):
+            release.wait(10)
+        return m.Ack()
+
+    srv = ControlServer("127.0.0.1", 0, TOKEN, slow, name="answered")
+    c = ControlClient(srv.address, TOKEN, peer="c")
+    try:
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(c.call(m.Pending(), timeout_s=10)), daemon=True)
+        t.start()
+        assert _wait_for(lambda: srv.inflight("Pending") == 1)
+        assert srv.wait_answered("Pending", timeout_s=0.2) is False
+        assert srv.wait_answered("Released", timeout_s=0.2) is True  # only the kinds asked about count
+        threading.Timer(0.3, release.set).start()
+        t0 = time.monotonic()
+        assert srv.wait_answered("Pending", timeout_s=5) is True
+        assert 0.2 < time.monotonic() - t0 < 2
+        t.join(5)
+        assert out and isinstance(out[0], m.Ack) and srv.inflight() == 0
+    finally:
+        c.close()
+        srv.close()

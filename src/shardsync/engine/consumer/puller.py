@@ -15,6 +15,7 @@ through the :class:`~.pullcontext.PullContext` it is given::
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -162,16 +163,24 @@ class Puller(threading.Thread):
         rel = ThreadPoolExecutor(1, thread_name_prefix=f"shardsync-release-{ctx.id}-p{p}")
         bound = ctx.timeout_s + ctx.lease_s + 5
         try:
-            fut = ask.submit(self.wait_ready)
+            seen: set[str] = set()
+            fut: Future | None = ask.submit(self.wait_readies, left=len(todo), seen=seen)
+            queued: collections.deque[m.Ready] = collections.deque()
             releases: list[Future] = []
             for k in range(len(todo)):
                 t0 = time.perf_counter()
-                ready = fut.result(timeout=bound)
+                if not queued:  # every group announced so far comes in one answer
+                    assert fut is not None
+                    batch = fut.result(timeout=bound)
+                    fut = None
+                    queued.extend(batch)
+                    if k + len(batch) < len(todo):  # ask for the next groups while these are read
+                        fut = ask.submit(self.wait_readies, after=batch[-1].group, left=len(todo) - k - len(batch),
+                                         seen=seen)
+                ready = queued.popleft()
                 t1 = time.perf_counter()
                 if rnd.failing.is_set():
                     return
-                if k + 1 < len(todo):  # ask for the next group while this one is read
-                    fut = ask.submit(self.wait_ready, after=ready.group)
                 got = self.read(ready)
                 rnd.timed(t1 - t0, time.perf_counter() - t1)
                 if not self.sink.holds_ring:  # read out of its ring: the producer may reuse the ring slot now
@@ -199,7 +208,15 @@ class Puller(threading.Thread):
     def wait_ready(self, *, group: str = "", after: str = "") -> m.Ready:
         """The ``Ready`` of ``group``, or of the next group producer ``p`` has packed for us (after ``after``),
         checked against the routes."""
-        ctx, rnd, p, version, expect = self.ctx, self.rnd, self.p, self.rnd.version, self.todo
+        return self.wait_readies(group=group, after=after)[0]
+
+    def wait_readies(self, *, group: str = "", after: str = "", left: int = 1,
+                     seen: set[str] | None = None) -> list[m.Ready]:
+        """As :meth:`wait_ready`, with up to ``left - 1`` further groups already announced after it in the same
+        answer (``WaitReady.more``), each checked against the routes; at least one. ``seen``: the groups this round
+        was offered already (none may come twice), updated."""
+        ctx, rnd, p, version = self.ctx, self.rnd, self.p, self.rnd.version
+        more = 0 if group else max(0, min(left - 1, m.MAX_MORE))
         deadline = time.monotonic() + ctx.timeout_s
         while True:  # short polls: a stopped producer is noticed within the lease, a slow one waited for
             self.check_peers()
@@ -208,7 +225,7 @@ class Puller(threading.Thread):
             try:
                 ready = ctx.clients[p].call(m.WaitReady(consumer=ctx.id, session=rnd.session, version=version,
                                                         group=group, after=after, sources=self.sources,
-                                                        deltas=self.sink.takes_deltas),
+                                                        deltas=self.sink.takes_deltas, more=more),
                                             timeout_s=ctx.lease_s + 1)
             except TransportError as e:
                 raise ctx.lost(p, version, "", e) from None
@@ -216,8 +233,25 @@ class Puller(threading.Thread):
                 break
             if time.monotonic() > deadline:
                 raise TransportError(f"consumer {ctx.id}: producer {p} packed nothing more for version {version} "
-                                     f"within {ctx.timeout_s} s (still expected from it: {expect[:3]}...)")
-        ready = m.expect(ready, m.Ready, f"producer {p}")
+                                     f"within {ctx.timeout_s} s (still expected from it: {self.todo[:3]}...)")
+        if isinstance(ready, m.Readies):
+            if len(ready.readies) > more + 1:
+                raise SyncError(f"consumer {ctx.id}: producer {p} answered {len(ready.readies)} groups, asked for "
+                                f"at most {more + 1}")
+            out = [self.checked(r, group) for r in ready.readies]
+        else:
+            out = [self.checked(m.expect(ready, m.Ready, f"producer {p}"), group)]
+        if seen is not None:
+            for r in out:
+                if r.group in seen:
+                    raise SyncError(f"consumer {ctx.id}: producer {p} offered group {r.group!r} of version {version} "
+                                    "twice")
+                seen.add(r.group)
+        return out
+
+    def checked(self, ready: m.Ready, group: str = "") -> m.Ready:
+        """``ready`` (of ``group`` where one was asked for) against this round's version and routes."""
+        ctx, rnd, p, version, expect = self.ctx, self.rnd, self.p, self.rnd.version, self.todo
         if group and ready.group != group:
             raise SyncError(f"consumer {ctx.id}: producer {p} answered for group {ready.group!r}, asked for {group!r}")
         if ready.version != version or ready.group not in expect:

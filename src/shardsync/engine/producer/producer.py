@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from contextlib import suppress
 from dataclasses import replace
 from typing import Any
@@ -425,9 +424,7 @@ class Producer:
     def _drain(self, timeout_s: float = 5.0) -> None:
         """Let the replies to releases already handled go out before returning (a ``close()`` or the trainer
         exiting right after ``sync`` must not cut a consumer's last ``Released`` short)."""
-        deadline = time.monotonic() + timeout_s
-        while self.server.inflight("Released", "Abandon", "Completed") and time.monotonic() < deadline:
-            time.sleep(0.002)
+        self.server.wait_answered("Released", "Abandon", "Completed", timeout_s=timeout_s)
 
     def close(self) -> None:
         with suppress(Exception):  # already reported to the coordinator and the consumers; not raised again

@@ -52,6 +52,16 @@ class VersionState:
     incarnations: dict[int, int] = field(default_factory=dict)  # rank -> incarnation serving this version
 
 
+READIES_BYTES = 4 << 20
+"""The most (estimated) bytes of one ``Readies`` answer: further groups wait for the next ask."""
+
+
+def _ready_bytes(r: m.Ready) -> int:
+    """An upper estimate of ``r``'s encoded size (its lists' ints at 9 bytes each, its tags and table as they are)."""
+    return 64 + len(r.group) + len(r.sources) + 18 * len(r.tags) + 9 * sum(map(len, r.chunks)) + \
+        9 * sum(map(len, r.deltas))
+
+
 def next_group_for(st: VersionState, cid: str, digest: str, after: str = "") -> str:
     """The first group packed for this consumer's plan, after group ``after`` if given, that it has not
     released yet ("" if none is packed yet). Idempotent: asked again before ``Released`` (a reply lost to a
@@ -166,11 +176,27 @@ class VersionTable:
                                               f"version {msg.version}: {st.dropped[msg.consumer]}")
                     g = msg.group or next_group_for(st, msg.consumer, digest, msg.after)
                     if g and g in st.ready:
-                        return st.ready[g].get(digest) or m.Ready(version=msg.version, group=g, chunks=[])
+                        first = st.ready[g].get(digest) or m.Ready(version=msg.version, group=g, chunks=[])
+                        return first if msg.group or not msg.more else self._more(st, msg, digest, first)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return m.Pending()
                 self.cv.wait(left)
+
+    @staticmethod
+    def _more(st: VersionState, msg: m.WaitReady, digest: str, first: m.Ready) -> m.Msg:
+        """``first`` and up to ``msg.more`` further groups announced for this consumer, each the next after the one
+        before (called with ``cv`` held): what the consumer would get asking one at a time with ``after``, in one
+        answer of at most ``READIES_BYTES`` (estimated)."""
+        out, size = [first], _ready_bytes(first)
+        while len(out) <= min(msg.more, m.MAX_MORE):
+            g = next_group_for(st, msg.consumer, digest, out[-1].group)
+            r = st.ready.get(g, {}).get(digest) if g else None
+            if r is None or size + _ready_bytes(r) > READIES_BYTES:
+                break
+            out.append(r)
+            size += _ready_bytes(r)
+        return first if len(out) == 1 else m.Readies(readies=out)
 
     def any_takes_deltas(self, consumers: set[str]) -> bool:
         """Whether some of ``consumers`` may read this producer's deltas (one not heard from yet may)."""

@@ -72,6 +72,7 @@ class ControlServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._inflight: dict[str, int] = defaultdict(int)
+        self._answered = threading.Condition(self._lock)  # notified whenever a request's answer has gone out
         self.refused: dict[str, int] = {"token": 0, "frame": 0, "decode": 0, "mac": 0}
         self._refused_hosts: set[str] = set()  # logged once each (at most REFUSED_HOSTS)
         self._refused_from: deque[str] = deque(maxlen=REFUSED_KEPT)
@@ -89,7 +90,16 @@ class ControlServer:
     def inflight(self, *kinds: str) -> int:
         """Requests (of these message kinds, or of any) being handled or answered right now."""
         with self._lock:
-            return sum(n for k, n in self._inflight.items() if not kinds or k in kinds)
+            return self._count(kinds)
+
+    def _count(self, kinds: tuple[str, ...]) -> int:
+        return sum(n for k, n in self._inflight.items() if not kinds or k in kinds)
+
+    def wait_answered(self, *kinds: str, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no request of these kinds (or of any) is being handled or answered;
+        False if some still are. Woken by each answer sent, not by polling."""
+        with self._answered:
+            return self._answered.wait_for(lambda: self._count(kinds) == 0, timeout=timeout_s)
 
     def _serve_tracked(self, conn: socket.socket) -> None:
         with self._lock:
@@ -161,6 +171,7 @@ class ControlServer:
                     self.admission.busy(conn, False)
                     with self._lock:
                         self._inflight[kind] -= 1
+                        self._answered.notify_all()
         except (ConnectionError, socket.timeout, OSError):
             return  # peer gone, idle, or server closing: nothing of ours was lost
         except Exception:  # a bug in this server: say so, never die silently

@@ -8,7 +8,7 @@ and serves them over the authenticated framing of ``wire.py``). Who sends what:
 - consumers <-> coordinator: ``Hello``/``Welcome``, ``InitFailed``, ``RegisterPlan``/``Routes``,
   ``BeginSync``/``SyncView``, ``Completed``, ``Goodbye``; an orchestrator: ``Evict``;
 - every peer's heartbeat: ``Renew``/``Lease``;
-- consumers <-> producers: ``WaitReady``/``Pending``/``Ready``, ``Released``, ``Abandon``;
+- consumers <-> producers: ``WaitReady``/``Pending``/``Ready`` (or ``Readies``), ``Released``, ``Abandon``;
 - a rendezvous (how a group finds its coordinator, ``integrations/verl``): ``Lookup``/``Published``;
 - any request may be answered ``Ack`` or ``Fail`` (a typed error, re-raised by the client).
 
@@ -35,7 +35,7 @@ from ...errors import TransportError
 __all__ = ["MAX_ID", "MAX_REASON", "clip", "Msg", "encode", "decode", "expect", "Ack", "Fail", "Join", "Joined", "GetAssignments", "Assignments",
            "ProducerReady", "SyncFailed", "Straggler", "Hello", "Welcome", "InitFailed", "RegisterPlan", "Routes", "BeginSync",
            "SyncView", "Completed", "AwaitVersion", "Outcome", "Renew", "Lease", "WaitReady", "Pending", "Ready",
-           "SourceTable",
+           "Readies", "SourceTable", "MAX_MORE",
            "Released", "Abandon", "Goodbye", "Evict", "Lookup", "Published"]
 
 
@@ -227,6 +227,10 @@ class Lease(_M):
 
 
 # ---------------------------------------------------------------- consumers <-> producers
+MAX_MORE = 63
+"""The most further groups one ``WaitReady`` may ask for (a ``Readies`` holds at most ``MAX_MORE + 1``)."""
+
+
 class WaitReady(_M):
     consumer: Id
     session: Id
@@ -242,6 +246,10 @@ class WaitReady(_M):
     deltas: bool = False
     """This consumer reads this producer's chunks as deltas where offered (``GroupSettings.delta``): a producer
     encodes only chunks some live member reads so (the others read dense)."""
+    more: Annotated[int, msgspec.Meta(ge=0, le=MAX_MORE)] = 0
+    """With ``group=""``: up to this many further groups, each the next one announced after the last, answered with
+    the first in one ``Readies`` where any are announced already (one round trip for groups that are all ready:
+    source reads announce every group at once). 0: one ``Ready``."""
 
 
 class Pending(_M):  # not packed yet: ask again (bounded server-side waits keep a stopped peer detectable)
@@ -264,6 +272,14 @@ class Ready(_M):
     """Source reads (``ProducerConfig.source_reads``): the group is not in the ring but where the trainer's tensors
     lie, as an encoded :class:`SourceTable` (the same bytes every sync while they stay put; ``chunks`` then carry
     offset -1). Decoded and checked by the consumer (``engine/source_reads/source_open.py``)."""
+
+
+class Readies(_M):
+    """The answer to ``WaitReady(more=n)`` when more than one group is announced: the ``Ready`` of each, in the order
+    the producer announced them (each the next after the one before it), the first the one a plain ``WaitReady``
+    would have named."""
+
+    readies: Annotated[list[Ready], msgspec.Meta(min_length=2, max_length=MAX_MORE + 1)]
 
 
 class SourceTable(msgspec.Struct, kw_only=True, array_like=True):
@@ -315,7 +331,7 @@ class Published(_M):
 
 Msg = Union[Ack, Fail, Join, Joined, GetAssignments, Assignments, ProducerReady, SyncFailed, Straggler, Hello,
             Welcome, InitFailed, RegisterPlan, Routes, BeginSync, SyncView, Completed, AwaitVersion, Outcome, Renew, Lease,
-            WaitReady, Pending, Ready, Released, Abandon, Goodbye, Evict, Lookup, Published]
+            WaitReady, Pending, Ready, Readies, Released, Abandon, Goodbye, Evict, Lookup, Published]
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Msg)
 
