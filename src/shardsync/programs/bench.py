@@ -177,7 +177,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     from ..verify.checkpoints import build_tiny_checkpoint, load_checkpoint, perturb
     from ..testing.harness.vllm_replica import full_update, parallel, vllm_cluster
 
-    replica_paths(paths, replicas)  # a bad choice is refused before any engine starts
+    direct = replica_paths(paths, replicas)  # a bad choice is refused before any engine starts
 
     ckpt = build_tiny_checkpoint(arch, os.path.join(tempfile.gettempdir(), "shardsync-bench", f"{arch}-{size}"),
                                  size=size)
@@ -185,7 +185,6 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     model_bytes = sum(t.nbytes for t in base.values())
     print(f"model {arch} ({size}, real vLLM): {model_bytes / 1e6:.2f} MB; {producers} producers -> {replicas} vLLM "
           f"replicas x TP{tp} over {transport}")
-    direct = replica_paths(paths, replicas)
     ours, basel, exact = [], [], True
     windows: dict[str, list[float]] = {"direct": [], "general": []}
     applies: dict[str, list[float]] = {"direct": [], "general": []}
