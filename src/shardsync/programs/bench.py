@@ -186,8 +186,7 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
     print(f"model {arch} ({size}, real vLLM): {model_bytes / 1e6:.2f} MB; {producers} producers -> {replicas} vLLM "
           f"replicas x TP{tp} over {transport}")
     ours, basel, exact = [], [], True
-    windows: dict[str, list[float]] = {"direct": [], "general": []}
-    applies: dict[str, list[float]] = {"direct": [], "general": []}
+    timed: dict[str, list[tuple[float, float]]] = {"direct": [], "general": []}  # path -> (window, apply) a round
     with vllm_cluster(ckpt, producers=producers, replicas=replicas, tp=tp, transport=transport,
                       direct=direct) as (cluster, reps):
         v = 0
@@ -198,13 +197,11 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
             t_ours = time.perf_counter() - t0
             st = reps.status()
             per = [s["bytes_received"] for s in st]
-            if i:  # each replica's update window (its slowest worker), by path
+            if i:  # each replica's update window and apply time (its slowest worker's), by path
                 for r, d in enumerate(direct):
                     workers = st[r * tp:(r + 1) * tp]
-                    windows["direct" if d else "general"].append(max(w.get("seconds", 0.0) for w in workers))
-                    applies["direct" if d else "general"].append(max(w.get("apply_s", 0.0) for w in workers))
-            modules = {("direct" if d else "general"): [st[r * tp].get(k) for k in ("direct_modules", "general_modules")]
-                       for r, d in enumerate(direct)}
+                    timed["direct" if d else "general"].append((max(w.get("seconds", 0.0) for w in workers),
+                                                                max(w.get("apply_s", 0.0) for w in workers)))
             if i == syncs:
                 ok, bad, _ = reps.check_against_fresh(perturb(base, v), tag="-ours")
                 exact &= ok
@@ -226,12 +223,15 @@ def run_bench_vllm(*, producers: int = 2, replicas: int = 2, tp: int = 2, transp
                 basel.append(t_base)
             print(f"  round {i}{' (warm-up)' if not i else ''}: shardsync {t_ours:.3f} s, baseline {t_base:.3f} s")
     s_, b_ = statistics.median(ours), statistics.median(basel)
+    modules = {("direct" if d else "general"): [st[r * tp].get(k) for k in ("direct_modules", "general_modules")]
+               for r, d in enumerate(direct)}  # the last round's workers (the same every round)
     out = {"model": arch, "consumers_kind": "vllm", "model_bytes": model_bytes, "consumers": replicas * tp,
            "shardsync_s": round(s_, 4), "baseline_s": round(b_, 4), "speedup_vs_baseline": round(b_ / s_, 2),
            "bytes_per_consumer": per, "gbps": round(sum(per) / s_ / 1e9, 4), "exact": bool(exact),
-           "paths": {k: {"window_s": round(statistics.median(v), 4),
-                         "apply_s": round(statistics.median(applies[k]), 4), "direct_modules_per_worker": modules[k][0],
-                         "general_modules_per_worker": modules[k][1]} for k, v in windows.items() if v}}
+           "paths": {k: {"window_s": round(statistics.median(w for w, _ in rounds), 4),
+                         "apply_s": round(statistics.median(a for _, a in rounds), 4),
+                         "direct_modules_per_worker": modules[k][0], "general_modules_per_worker": modules[k][1]}
+                     for k, rounds in timed.items() if rounds}}
     print(f"shardsync {s_:.3f} s, baseline {b_:.3f} s: {b_ / s_:.2f}x; equal to a fresh engine: "
           f"{'yes' if exact else 'NO'}")
     for k, r in out["paths"].items():

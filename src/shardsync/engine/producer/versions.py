@@ -192,10 +192,11 @@ class VersionTable:
         while len(out) <= min(msg.more, m.MAX_MORE):
             g = next_group_for(st, msg.consumer, digest, out[-1].group)
             r = st.ready.get(g, {}).get(digest) if g else None
-            if r is None or size + _ready_bytes(r) > READIES_BYTES:
+            nbytes = _ready_bytes(r) if r is not None else 0
+            if r is None or size + nbytes > READIES_BYTES:
                 break
             out.append(r)
-            size += _ready_bytes(r)
+            size += nbytes
         return first if len(out) == 1 else m.Readies(readies=out)
 
     def any_takes_deltas(self, consumers: set[str]) -> bool:
