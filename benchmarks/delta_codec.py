@@ -4,9 +4,14 @@ the 16-bit words changed, beside a plain copy of the same bytes on the same devi
     python benchmarks/delta_codec.py --json                      # CPU: 4 chunks of 64 MiB
     python benchmarks/delta_codec.py --chunks 16 --json          # on the GPU machine: 1 GiB in 64 MiB chunks
 
-A codec micro-benchmark (no engine, no transport): it times ``encode(new, old, checksum=True)`` (find the changed
-words, build the payload, checksum the new bytes: the word hash on a GPU, xxh3 on the host) and ``decode_(held, enc)``
-then ``verify`` (validate, apply in place, check the checksum) per chunk, every result checked byte for byte.
+A codec micro-benchmark (no engine, no transport), two ways per fraction, every result checked byte for byte:
+
+- ``encode_gbps`` / ``decode_gbps``: what a sync runs — the producer's ``DeltaHistory.encode(checksum=True)`` against
+  the stored base (find the changed words, build the payload, update the base with its undo journal, checksum the
+  new bytes: on a GPU folded from the base's word hash, ``kernels/word_delta.py``) and the consumer's
+  ``codec.apply_verified`` on its held copy (validate, apply, check: folded from the held hash on a GPU);
+- ``stateless``: ``encode(new, old, checksum=True)`` and ``decode_`` + ``verify`` with no stored hashes (a full
+  hash of each chunk on each side: xxh3 on the host, the word hash on a GPU).
 GB/s = dense chunk bytes / seconds (encode reads twice that: the new and the old chunk). Prints a table, or one JSON
 line with ``--json``.
 """
@@ -25,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from shardsync.delta import codec  # noqa: E402
+from shardsync.delta.history import DeltaHistory  # noqa: E402
 
 
 def _sync(dev: torch.device) -> None:
@@ -43,6 +49,38 @@ def _timed(fn, dev: torch.device, reps: int) -> float:
         _sync(dev)
         out.append(time.perf_counter() - t)
     return statistics.median(out)
+
+
+def _product(news: list, olds: list, dev: torch.device, reps: int) -> tuple[float, float, bool, list]:
+    """Median seconds of the producer's history encode and the consumer's verified apply of every chunk, each rep a
+    new version: the stored base and the held copy alternate between the old and the new bytes (so every version
+    changes the same words), their hashes known from the version before as in a run of syncs."""
+    keys = [("bench", "g", i) for i in range(len(olds))]
+    hist = DeltaHistory(dict(zip(keys, (o.numel() for o in olds))), budget_bytes=2 * sum(o.numel() + 64 for o in olds),
+                        device=dev)
+    held = [o.clone() for o in olds]
+    hashes: list = [None] * len(olds)
+    hist.begin(1)
+    for k, o in zip(keys, olds):
+        hist.encode(k, o, checksum=True)
+    hist.commit(1)
+    enc_t, dec_t, exact, encs = [], [], True, []
+    for v in range(2, reps + 4):
+        target = news if v % 2 == 0 else olds
+        hist.begin(v)
+        _sync(dev)
+        t = time.perf_counter()
+        encs = [hist.encode(k, c, checksum=True) for k, c in zip(keys, target)]
+        _sync(dev)
+        enc_t.append(time.perf_counter() - t)
+        hist.commit(v)
+        t = time.perf_counter()
+        for i, (h, e) in enumerate(zip(held, encs)):
+            hashes[i] = codec.apply_verified(h, e, base=v - 1, held_hash=hashes[i])
+        _sync(dev)
+        dec_t.append(time.perf_counter() - t)
+        exact = exact and all(torch.equal(h, c) for h, c in zip(held, target))
+    return statistics.median(enc_t[2:]), statistics.median(dec_t[2:]), exact, encs
 
 
 def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, device: str) -> dict:
@@ -66,6 +104,7 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             w[m] ^= 1  # one ulp of a bf16: what a small optimizer step does to a changed element
             news.append(w.view(torch.uint8))
         encs: list = []
+        hist_enc_s, hist_dec_s, hist_exact, hist_encs = _product(news, olds, dev, reps)
         enc_s = _timed(lambda: encs.__setitem__(slice(None), [codec.encode(n, o, base=0, checksum=True)
                                                                for n, o in zip(news, olds)]), dev, reps)
 
@@ -86,12 +125,16 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
         exact = all(torch.equal(h, n) for h, n in zip(held, news))
         wire = sum(e.wire_nbytes for e in encs)
         changed = sum(e.changed or 0 for e in encs) / (total // 2)
+        dec_s = statistics.median(dec_times[1:])
         out["fractions"][f"{f:g}"] = {
-            "changed_fraction": round(changed, 5), "kinds": sorted({e.header.kind for e in encs}),
-            "encode_gbps": round(total / enc_s / 1e9, 3), "decode_gbps": round(total / statistics.median(dec_times[1:]) / 1e9, 3),
-            "encode_ms_per_chunk": round(enc_s / chunks * 1e3, 3), "wire_bytes": wire,
-            "bytes_ratio": round(total / wire, 2), "exact": exact,
-            "encode_decode_gbps": round(total / (enc_s + statistics.median(dec_times[1:])) / 1e9, 3)}
+            "changed_fraction": round(changed, 5), "kinds": sorted({e.header.kind for e in hist_encs}),
+            "encode_gbps": round(total / hist_enc_s / 1e9, 3), "decode_gbps": round(total / hist_dec_s / 1e9, 3),
+            "encode_decode_gbps": round(total / (hist_enc_s + hist_dec_s) / 1e9, 3),
+            "encode_ms_per_chunk": round(hist_enc_s / chunks * 1e3, 3),
+            "decode_ms_per_chunk": round(hist_dec_s / chunks * 1e3, 3),
+            "wire_bytes": wire, "bytes_ratio": round(total / wire, 2), "exact": exact and hist_exact,
+            "stateless": {"encode_gbps": round(total / enc_s / 1e9, 3), "decode_gbps": round(total / dec_s / 1e9, 3),
+                          "encode_decode_gbps": round(total / (enc_s + dec_s) / 1e9, 3)}}
     hash_s = _timed(lambda: [codec.checksum_of(o, codec.hash_for(o)) for o in olds], dev, reps)
     out["checksum"] = {"hash": "word" if codec.hash_for(olds[0]) == codec.WORD else "xxh3",
                        "gbps": round(total / hash_s / 1e9, 2)}
@@ -113,7 +156,9 @@ def main() -> int:
           f"plain copy {r['copy_gbps']} GB/s", file=sys.stderr)
     for f, x in r["fractions"].items():
         print(f"  {float(f):>5.0%} changed: encode {x['encode_gbps']:>8} GB/s  decode {x['decode_gbps']:>8} GB/s  "
-              f"{x['bytes_ratio']:>6}x fewer bytes ({'/'.join(x['kinds'])})  exact={x['exact']}", file=sys.stderr)
+              f"both {x['encode_decode_gbps']:>8} GB/s (stateless: {x['stateless']['encode_gbps']} / "
+              f"{x['stateless']['decode_gbps']})  {x['bytes_ratio']:>6}x fewer bytes ({'/'.join(x['kinds'])})  "
+              f"exact={x['exact']}", file=sys.stderr)
     if a.json:
         print(json.dumps(r))
     return 0 if all(x["exact"] for x in r["fractions"].values()) else 1

@@ -105,13 +105,16 @@ def test_held_chunks_version_only_on_commit() -> None:
     held = HeldChunks({"g": _layout()}, device=torch.device("cpu"))
     assert held.stats()["delta_held_bytes"] >= 5096
     held.begin()
-    assert held.touch("g", 0) is None
+    assert held.touch("g", 0) == (None, None)
+    held.written("g", 0, 0xABC)
     held.commit(3)
     assert held.versions[("g", 0)] == 3 and held.versions[("g", 1)] is None
     held.begin()
-    assert held.touch("g", 0) == 3
-    held.fail()  # a failed sync's bytes are no base
-    assert held.versions[("g", 0)] is None
+    assert held.touch("g", 0) == (3, 0xABC)
+    assert held.hashes[("g", 0)] is None  # unhashed while being written
+    held.written("g", 0, 0xDEF)
+    held.fail()  # a failed sync's bytes are no base, and their hash is no longer trusted
+    assert held.versions[("g", 0)] is None and held.hashes[("g", 0)] is None
     assert held.parts("g").parts[1][1].numel() == 1000
 
 

@@ -43,11 +43,13 @@ import msgspec
 import torch
 
 from ..errors import DeltaFormatError, DeltaMismatch
+from ..kernels import word_delta
+from ..kernels.word_hash import fold
 
 __all__ = ["DENSE", "PAIRS", "BITMAP", "KINDS", "HEADER_MAX", "DeltaHeader", "Encoded", "encode", "dense",
            "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes",
-           "word_size", "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words", "encode_changes", "validate",
-           "apply_changes"]
+           "word_size", "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words", "find_changes", "encode_changes",
+           "validate", "apply_changes", "apply_verified"]
 
 DENSE, PAIRS, BITMAP = "dense", "pairs", "bitmap"
 KINDS = (DENSE, PAIRS, BITMAP)
@@ -161,6 +163,16 @@ def changed_words(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, t
     return idx, nw.index_select(0, idx)
 
 
+def find_changes(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    """:func:`changed_words` and, for a chunk checksummed by the word hash (a GPU chunk) of whole aligned 64-bit
+    words, the change of its word hash (``kernels/word_delta.py``: fused passes on CUDA, no pass over the chunk to
+    hash it); else None for the hash change."""
+    if hash_for(new) == WORD and word_delta.eligible(new, old):
+        ch = word_delta.find_changes(new, old)
+        return ch.idx, ch.vals, ch.hash_delta
+    return (*changed_words(new, old), None)
+
+
 def _buffer(out: torch.Tensor | None, size: int, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty(size, dtype=torch.uint8, device=like.device)
@@ -181,11 +193,12 @@ def dense(new: torch.Tensor, *, out: torch.Tensor | None = None, checksum: bool 
 
 
 def encode(new: torch.Tensor, old: torch.Tensor | None, *, base: int | None = None, out: torch.Tensor | None = None,
-           checksum: bool | int = False) -> Encoded:
+           checksum: bool | int = False, base_hash: int | None = None) -> Encoded:
     """The smallest form of ``new`` given ``old`` (the bytes served at version ``base``; None: dense).
 
     ``out``: where the payload goes (at least ``new.numel()`` bytes always suffices); else a new tensor (pairs,
-    bitmap) or ``new`` itself (dense). On CUDA one host sync learns the number of changed words."""
+    bitmap) or ``new`` itself (dense). On CUDA one host sync learns the number of changed words. ``base_hash``:
+    ``old``'s word hash, when known — a GPU chunk's checksum is then folded from it and the changes (no pass)."""
     _check_chunk(new, "new", "")
     if old is None:
         return dense(new, out=out, checksum=checksum)
@@ -194,17 +207,24 @@ def encode(new: torch.Tensor, old: torch.Tensor | None, *, base: int | None = No
     if old.numel() != n or old.device != new.device:
         raise DeltaFormatError(f"old chunk is {old.numel()} bytes on {old.device}, new is {n} bytes on {new.device}",
                                field="old")
-    idx, vals = changed_words(new, old)
-    return encode_changes(new, idx, vals, base=base, out=out, checksum=checksum)
+    idx, vals, hdelta = find_changes(new, old)
+    return encode_changes(new, idx, vals, base=base, out=out, checksum=checksum, base_hash=base_hash,
+                          hash_delta=hdelta)
 
 
 def encode_changes(new: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, base: int | None = None,
-                   out: torch.Tensor | None = None, checksum: bool | int = False) -> Encoded:
-    """:func:`encode` from :func:`changed_words`' output (for callers that keep the indices, e.g. an undo log)."""
+                   out: torch.Tensor | None = None, checksum: bool | int = False, base_hash: int | None = None,
+                   hash_delta: int | None = None) -> Encoded:
+    """:func:`encode` from :func:`find_changes`' output (for callers that keep the indices, e.g. an undo log).
+    With ``checksum=True``, a word-hashed chunk, ``base_hash`` (the old bytes' word hash) and ``hash_delta``, the
+    checksum is folded (``kernels.word_hash.fold``) instead of hashed."""
     n = new.numel()
     k = idx.numel()
     kind = choose(n, k)
-    csum, algo = _csum(new, checksum)
+    if checksum is True and base_hash is not None and hash_delta is not None and hash_for(new) == WORD:
+        csum, algo = fold(base_hash, n, hash_delta), WORD
+    else:
+        csum, algo = _csum(new, checksum)
     if kind == DENSE:
         enc = dense(new, out=out)
         return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=enc.header.count, checksum=csum, hash=algo),
@@ -288,19 +308,26 @@ def _typed(payload: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch
     return part.view(dtype)
 
 
-def validate(dst: torch.Tensor, enc: Encoded, base: int | None = None, where: str = "") -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Validate ``enc`` (header and payload) for applying to ``dst`` without writing anything; returns (sorted
-    int64 word indices, or None for dense; the values to write there)."""
-    at = where or "chunk"
+def _checked_payload(dst: torch.Tensor, enc: Encoded, base: int | None, at: str) -> int:
+    """The header against ``dst`` and the version held, the payload's length and device; returns its size."""
     _check_chunk(dst, "dst", at)
     h, payload = enc.header, enc.payload
-    size = check_header(h, nbytes=dst.numel(), base=base, where=where)
+    size = check_header(h, nbytes=dst.numel(), base=base, where=at)
     _check_chunk(payload, "payload", at)
     if payload.numel() != size:
         raise DeltaFormatError(f"{at}: {h.kind} payload is {payload.numel()} bytes, the header implies {size}",
                                field="payload")
     if payload.device != dst.device:
         raise DeltaFormatError(f"{at}: payload on {payload.device}, destination on {dst.device}", field="payload")
+    return size
+
+
+def validate(dst: torch.Tensor, enc: Encoded, base: int | None = None, where: str = "") -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Validate ``enc`` (header and payload) for applying to ``dst`` without writing anything; returns (sorted
+    int64 word indices, or None for dense; the values to write there)."""
+    at = where or "chunk"
+    h, payload = enc.header, enc.payload
+    size = _checked_payload(dst, enc, base, at)
     if h.kind == DENSE:
         return None, payload
     w, n, k = word_size(h.nbytes), h.nbytes // word_size(h.nbytes), h.count
@@ -358,6 +385,39 @@ def decode_into(out: torch.Tensor, old: torch.Tensor, enc: Encoded, *, base: int
             out.copy_(old)
     apply_changes(out, idx, vals)
     return out
+
+
+def apply_verified(dst: torch.Tensor, enc: Encoded, *, base: int | None = None, held_hash: int | None = None,
+                   where: str = "") -> int | None:
+    """Consumer: :func:`decode_` then :func:`verify`; returns the checksum ``dst`` now has (the header's, None
+    without one). ``held_hash``: the word hash of ``dst``'s bytes before (verified when they were written) — for a
+    word-hashed delta on whole aligned 64-bit words the check then costs work proportional to the changes: the
+    terms of the 64-bit words the delta touches, before and after, fold the held hash into the new one (a pairs
+    payload's order and range are checked in the same kernel). Raises as ``decode_`` / ``verify``; after a
+    ``DeltaMismatch`` ``dst`` holds the wrong bytes (read it dense)."""
+    h = enc.header
+    if not (h.kind != DENSE and h.hash == WORD and h.checksum is not None and held_hash is not None
+            and word_delta.eligible(dst)):
+        decode_(dst, enc, base=base, where=where)
+        verify(dst, h, where=where)
+        return h.checksum
+    at = where or "chunk"
+    if h.kind == PAIRS:
+        size = _checked_payload(dst, enc, base, at)
+        idx = _typed(enc.payload, 0, 4 * h.count, torch.int32)
+        vals = _typed(enc.payload, 4 * h.count, size, torch.int16)
+    else:
+        idx, vals = validate(dst, enc, base, where)
+    ok, before = word_delta.span_terms(dst, idx)
+    if not ok:
+        raise DeltaFormatError(f"{at}: pairs indices must be strictly increasing within 0..{dst.numel() // 2 - 1}",
+                               field="indices")
+    apply_changes(dst, idx.long(), vals)
+    _, after = word_delta.span_terms(dst, idx)
+    if fold(held_hash, dst.numel(), after - before) != h.checksum:
+        raise DeltaMismatch(f"{at}: bytes after applying the {h.kind} delta do not match the producer's checksum "
+                            f"{h.checksum:#018x}")
+    return h.checksum
 
 
 def _csum(new: torch.Tensor, checksum: bool | int) -> tuple[int | None, int]:

@@ -71,6 +71,10 @@ class DeltaHistory:
         self._pending: int | None = None
         self._last: int | None = None
         self._undo: dict[Key, tuple[int, int, int] | None] = {}  # key -> (journal offset, words, kind) or None
+        self._hashes: dict[Key, int | None] = {}
+        """The word hash of a chunk's stored bytes, where an encode computed it (a GPU chunk's checksum): the next
+        checksum is folded from it (``kernels/word_delta.py``), not hashed."""
+        self._hash_undo: dict[Key, int | None] = {}
         self._jpos = 0
         self._scratch: dict[torch.device, torch.Tensor] = {}
 
@@ -103,6 +107,7 @@ class DeltaHistory:
         """Drop the bases of ``keys`` (all when None): e.g. after a plan change; their next chunks go dense."""
         for k in (self.sizes if keys is None else keys):
             self._version[self._known(k)] = None
+            self._hashes.pop(k, None)
 
     def _known(self, key: Key) -> Key:
         if key not in self.sizes:
@@ -116,23 +121,25 @@ class DeltaHistory:
             raise DeltaError(f"delta history: version {self._pending} is still open (commit or roll it back first)")
         if self._last is not None and version <= self._last:
             raise DeltaError(f"delta history: version {version} is not after the last committed {self._last}")
-        self._pending, self._undo, self._jpos = version, {}, 0
+        self._pending, self._undo, self._jpos, self._hash_undo = version, {}, 0, {}
 
     def commit(self, version: int) -> None:
         """Every chunk encoded (or applied) since ``begin(version)`` now holds ``version``: the next base."""
         self._open(version)
         for k in self._undo:
             self._version[k] = version
-        self._last, self._pending, self._undo, self._jpos = version, None, {}, 0
+        self._last, self._pending, self._undo, self._jpos, self._hash_undo = version, None, {}, 0, {}
 
     def rollback(self) -> None:
         """Undo every chunk touched since ``begin``: restored byte for byte from the journal, or dropped (no base)
         where its undo did not fit. Untouched chunks keep their bases."""
         if self._pending is None:
             return
+        self._hashes.update(self._hash_undo)
         for k, undo in reversed(list(self._undo.items())):
             if undo is None:
                 self._version[k] = None
+                self._hashes.pop(k, None)
                 continue
             off, words, kind = undo
             dst = self.held(k)
@@ -143,7 +150,7 @@ class DeltaHistory:
             idx = self._journal[off: off + 4 * words].view(torch.int32).long()
             vals = self._journal[off + 4 * words: off + (4 + w) * words]
             codec.apply_changes(dst, idx, vals.view(torch.int16) if w == 2 else vals)
-        self._pending, self._undo, self._jpos = None, {}, 0
+        self._pending, self._undo, self._jpos, self._hash_undo = None, {}, 0, {}
 
     def _open(self, version: int | None = None) -> None:
         if self._pending is None or (version is not None and version != self._pending):
@@ -155,6 +162,7 @@ class DeltaHistory:
         if key in self._undo:
             raise DeltaError(f"chunk {key}: already updated in version {self._pending} (encode once, serve the "
                              "result to every consumer on that base)")
+        self._hash_undo[key] = self._hashes.get(key)
         return self.held(key)
 
     def _log(self, key: Key, dst: torch.Tensor, idx: torch.Tensor | None) -> None:
@@ -194,14 +202,17 @@ class DeltaHistory:
             enc = codec.dense(new, out=out, checksum=checksum)
             self._log(key, dst, None)
             dst.copy_(new)
+            self._keep_hash(key, enc.header)
             return enc
         old = dst if new.device == dst.device else self._scratch_for(new.device, dst.numel()).copy_(dst)
-        idx, vals = codec.changed_words(new, old)
+        idx, vals, hdelta = codec.find_changes(new, old)
         k = idx.numel()
         if max_payload is not None and codec.payload_nbytes(codec.choose(new.numel(), k), new.numel(), k) > max_payload:
             enc = codec.Encoded(codec.dense(new).header, new, k)  # does not fit: dense (nobody checks it)
         else:
-            enc = codec.encode_changes(new, idx, vals, base=base, out=out, checksum=checksum)
+            enc = codec.encode_changes(new, idx, vals, base=base, out=out, checksum=checksum,
+                                       base_hash=self._hashes.get(key), hash_delta=hdelta)
+        self._keep_hash(key, enc.header)
         if enc.header.kind == codec.DENSE:
             self._log(key, dst, None)
             dst.copy_(new)
@@ -210,6 +221,12 @@ class DeltaHistory:
             self._log(key, dst, idx)
             codec.apply_changes(dst, idx, vals)
         return enc
+
+    def _keep_hash(self, key: Key, h: codec.DeltaHeader) -> None:
+        if h.hash == codec.WORD and h.checksum is not None:
+            self._hashes[key] = h.checksum
+        else:
+            self._hashes.pop(key, None)
 
     def apply(self, key: Key, enc: codec.Encoded, *, where: str = "") -> torch.Tensor:
         """Consumer: validate ``enc`` against the stored version of ``key`` (a delta must be against exactly it),
@@ -225,6 +242,7 @@ class DeltaHistory:
         self._log(key, dst, idx)
         codec.apply_changes(dst, idx, vals)
         codec.verify(dst, enc.header, where=at)
+        self._keep_hash(key, enc.header)
         return dst
 
     def _scratch_for(self, device: torch.device, nbytes: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ class HeldChunks:
         self.arena = torch.zeros(need, dtype=torch.uint8, device=device)
         self.largest = max((n for _, n in self.offsets.values()), default=0)
         self.versions: dict[tuple[str, int], int | None] = dict.fromkeys(self.offsets)
+        self.hashes: dict[tuple[str, int], int | None] = dict.fromkeys(self.offsets)
+        """The word hash of each chunk's held bytes where a delta's check established it: the next delta's check
+        folds it (``codec.apply_verified``) instead of hashing the chunk."""
         self._staging: dict[int, torch.Tensor] = {}
         self._touched: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
@@ -79,11 +82,18 @@ class HeldChunks:
         for k in self.counts:
             self.counts[k] = 0
 
-    def touch(self, group: str, ci: int) -> int | None:
-        """The chunk is about to be written in this sync: returns the version it held; unversioned until commit."""
+    def touch(self, group: str, ci: int) -> tuple[int | None, int | None]:
+        """The chunk is about to be written in this sync: returns the version it held and its word hash (None where
+        not known); unversioned and unhashed until the write says otherwise (``written``) and the sync commits."""
         with self._lock:
             self._touched.add((group, ci))
-            return self.versions[(group, ci)]
+            h, self.hashes[(group, ci)] = self.hashes[(group, ci)], None
+            return self.versions[(group, ci)], h
+
+    def written(self, group: str, ci: int, word_hash: int | None) -> None:
+        """The chunk's bytes were written and checked: ``word_hash`` is their word hash (None: not known)."""
+        with self._lock:
+            self.hashes[(group, ci)] = word_hash
 
     def count(self, **kw: int) -> None:
         with self._lock:
@@ -97,7 +107,7 @@ class HeldChunks:
 
     def fail(self) -> None:
         for k in self._touched:
-            self.versions[k] = None
+            self.versions[k] = self.hashes[k] = None
         self._touched = set()
 
     def stats(self) -> dict[str, Any]:
@@ -150,7 +160,7 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     got = 0
     for ci, _, off, n, checksum, tag in announced:
         dst = held.view(group, ci)
-        have = held.touch(group, ci)
+        have, have_hash = held.touch(group, ci)
         offer = offers.get(ci)
         if offer is not None and have is not None and offer[1].base == have:
             d_off, h = offer
@@ -160,10 +170,12 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
             try:
                 if size:
                     fetch(d_off, size, buf, payload=True)  # a DeltaError where the offer cannot be read
-                codec.decode_(dst, codec.Encoded(h, buf), base=have, where=f"{where}, chunk {ci}")
-                codec.verify(dst, h, where=f"{where}, chunk {ci}")  # the held bytes hash to h.checksum
+                # validated, applied, the held bytes hash to h.checksum (folded from the held hash where known)
+                codec.apply_verified(dst, codec.Encoded(h, buf), base=have, held_hash=have_hash,
+                                     where=f"{where}, chunk {ci}")
                 # its own checksum / keyed tag (the xxh3 just computed is not computed twice)
                 verify(dst, checksum, tag, group, ci, hashed=h.checksum if h.hash == codec.XXH3 else None)
+                held.written(group, ci, h.checksum if h.hash == codec.WORD else None)
                 held.count(delta_chunks=1, delta_payload_bytes=size)
                 continue
             except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones

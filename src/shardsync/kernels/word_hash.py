@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-__all__ = ["word_hash", "word_hash_reference"]
+__all__ = ["word_hash", "word_hash_reference", "mix_terms", "fold", "G", "C1", "C2", "C3"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,24 @@ def _finish(total: int, n: int) -> int:
     return _fmix((total & _M) ^ ((n * C3) & _M))
 
 
+_C1_INV, _C2_INV = pow(C1, -1, 1 << 64), pow(C2, -1, 1 << 64)
+
+
+def _unfmix(h: int) -> int:
+    h ^= h >> 33  # a shift of at least half the width: its own inverse
+    h = (h * _C2_INV) & _M
+    h ^= h >> 33
+    h = (h * _C1_INV) & _M
+    return h ^ (h >> 33)
+
+
+def fold(h: int, nbytes: int, delta: int) -> int:
+    """The hash of a chunk of ``nbytes`` whose hash was ``h`` once its terms changed by ``delta`` (mod 2^64: the
+    sum over changed 64-bit words of the new term less the old, :func:`mix_terms`) — no pass over the chunk."""
+    total = _unfmix(h & _M) ^ ((nbytes * C3) & _M)
+    return _finish(total + delta, nbytes)
+
+
 def _check(t: torch.Tensor) -> None:
     if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"word_hash takes a contiguous 1-D uint8 tensor, got {t.dtype} shape {list(t.shape)} "
@@ -78,13 +96,17 @@ def _lsr(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)  # torch shifts int64 arithmetically
 
 
+def mix_terms(w: torch.Tensor, pos1: torch.Tensor) -> torch.Tensor:
+    """The terms of int64 words ``w`` at 1-based word positions ``pos1`` (int64), wrapping (the definition's x_i)."""
+    x = pos1.mul(_s64(G)).bitwise_xor_(w).mul_(_s64(C1))
+    x.bitwise_xor_(_lsr(x, 32)).mul_(_s64(C2))
+    return x.bitwise_xor_(_lsr(x, 29))
+
+
 def _terms_sum(w: torch.Tensor, first: int) -> int:
     """Sum (mod 2^64) of the mixed terms of words ``w`` (int64), the first at position ``first`` (1-based)."""
-    x = torch.arange(first, first + w.numel(), dtype=torch.int64, device=w.device)
-    x.mul_(_s64(G)).bitwise_xor_(w).mul_(_s64(C1))
-    x.bitwise_xor_(_lsr(x, 32)).mul_(_s64(C2))
-    x.bitwise_xor_(_lsr(x, 29))
-    return int(x.sum()) & _M
+    pos = torch.arange(first, first + w.numel(), dtype=torch.int64, device=w.device)
+    return int(mix_terms(w, pos).sum()) & _M
 
 
 def _words_torch(words: torch.Tensor) -> int:

@@ -1,0 +1,179 @@
+"""The changed 16-bit words of a chunk against its base, and what they do to its word hash, without a full pass.
+
+The delta codec (``delta/codec.py``) needs, per chunk, the sorted indices and new values of the 16-bit words that
+changed, and both sides need the new bytes' checksum. With the word hash (``kernels/word_hash.py``: a sum of one
+term per 64-bit word) the checksum of the new bytes is the base's plus, for each 64-bit word holding a change,
+``term(new word) - term(old word)`` — work proportional to the changes, not to the chunk (:func:`fold` turns a hash
+and that sum into the new hash). So:
+
+- :func:`find_changes` (producer): on CUDA two fused Triton passes over the new and old chunk — per block of
+  words the count of changed words and the hash terms' change, then, after one host sync for the total, the
+  compacted indices and values at each block's offset (a block without changes reads nothing the second time) —
+  instead of torch's compare / nonzero / refine / gather passes and a hash of the whole chunk. Elsewhere (CPU,
+  an odd or unaligned chunk) the same results from torch ops.
+- :func:`span_terms` (consumer): the terms of the 64-bit words a sorted index list touches, checking on the way
+  that the indices are strictly increasing and in range (one kernel, one host sync): before and after applying a
+  delta, their difference folds the held hash into the new one.
+
+Every result is the definition's: the Triton and torch paths agree bit for bit (checked once per device against
+each other before the kernels are used, as for the word hash) and the tests check both against ``word_hash``::
+
+    ch = find_changes(new, old)                       # idx (int64, sorted), vals (int16), hash_delta
+    h_new = fold(h_old, new.numel(), ch.hash_delta)   # == word_hash(new) when h_old == word_hash(old)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .word_hash import C1, C2, G, fold, mix_terms
+
+__all__ = ["Changes", "find_changes", "span_terms", "fold", "eligible", "terms_torch"]
+
+log = logging.getLogger(__name__)
+
+BLOCK64 = 1024
+"""64-bit words per program of the count pass (its compact pass takes the same bytes as 4x as many 16-bit words)."""
+TERM_BLOCK = 1024
+"""Indices per program of :func:`span_terms`."""
+_M = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What changed in a chunk: sorted 16-bit word indices (int64), their new values (int16) and the word hash's
+    change (mod 2^64; :func:`fold`)."""
+
+    idx: torch.Tensor
+    vals: torch.Tensor
+    hash_delta: int
+
+
+def eligible(*ts: torch.Tensor) -> bool:
+    """Whether chunks go through the fused paths: 1-D uint8, a whole number of 64-bit words, 8-byte aligned, fewer
+    than 2^31 16-bit words (the pairs form's index range), all on one device."""
+    dev = ts[0].device
+    return all(t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous() and t.device == dev
+               and t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 and t.numel() // 2 < 1 << 31 for t in ts)
+
+
+# ------------------------------------------------------------------------------------------------ torch reference
+def terms_torch(chunk: torch.Tensor, idx: torch.Tensor) -> int:
+    """Sum of the terms of the distinct 64-bit words of ``chunk`` (uint8, ``eligible``) holding the sorted 16-bit
+    word indices ``idx`` (no checks)."""
+    if not idx.numel():
+        return 0
+    p = idx.long() >> 2
+    first = torch.ones_like(p, dtype=torch.bool)
+    first[1:] = p[1:] != p[:-1]
+    t = mix_terms(chunk.view(torch.int64).index_select(0, p), p + 1)
+    return int(torch.where(first, t, torch.zeros_like(t)).sum()) & _M
+
+
+def _changes_torch(new: torch.Tensor, old: torch.Tensor) -> Changes:
+    a, b = new.view(torch.int16), old.view(torch.int16)
+    idx = (a != b).nonzero().view(-1)
+    return Changes(idx, a.index_select(0, idx), (terms_torch(new, idx) - terms_torch(old, idx)) & _M)
+
+
+def _span_torch(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
+    n16 = chunk.numel() // 2
+    if not idx.numel():
+        return True, 0
+    i = idx.long()
+    ok = bool(((i[0] >= 0) & (i[-1] < n16) & ((i[1:] > i[:-1]).all() if i.numel() > 1 else True)).item())
+    return ok, (terms_torch(chunk, i) if ok else 0)
+
+
+# ------------------------------------------------------------------------------------------------ Triton
+_ok: dict[str, bool] = {}
+_lock = threading.Lock()
+
+
+def _triton():
+    from . import word_delta_triton as k  # imports triton: only where the kernels may run
+
+    return k.count, k.compact, k.span
+
+
+def _changes_triton(new: torch.Tensor, old: torch.Tensor) -> Changes:
+    count, compact, _ = _triton()
+    n64 = new.numel() // 8
+    blocks = -(-n64 // BLOCK64)
+    counts = torch.empty(blocks + 1, dtype=torch.int64, device=new.device)
+    hsum = torch.empty(blocks, dtype=torch.int64, device=new.device)
+    if blocks:
+        count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, n64, G, C1, C2, BLOCK=BLOCK64,
+                         num_warps=8)
+    counts[blocks] = 0
+    starts = counts.cumsum(0).roll(1)  # exclusive: starts[0] = total, overwritten below; starts[blocks] = total
+    total_and_hash = torch.stack([starts[0], hsum.sum() if blocks else starts[0] * 0]).tolist()
+    k, hdelta = int(total_and_hash[0]), int(total_and_hash[1]) & _M
+    starts[0] = 0
+    idx = torch.empty(k, dtype=torch.int64, device=new.device)
+    vals = torch.empty(k, dtype=torch.int16, device=new.device)
+    if k:
+        compact[(blocks,)](new.view(torch.int16), old.view(torch.int16), starts, counts, idx, vals,
+                           new.numel() // 2, BLOCK=4 * BLOCK64, num_warps=8)
+    return Changes(idx, vals, hdelta)
+
+
+def _span_triton(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
+    _, _, span = _triton()
+    k = idx.numel()
+    if not k:
+        return True, 0
+    blocks = -(-k // TERM_BLOCK)
+    hsum = torch.empty(blocks, dtype=torch.int64, device=chunk.device)
+    bad = torch.empty(blocks, dtype=torch.int32, device=chunk.device)
+    span[(blocks,)](chunk.view(torch.int64), idx, k, chunk.numel() // 2, hsum, bad, G, C1, C2, BLOCK=TERM_BLOCK,
+                    num_warps=4)
+    nbad, total = torch.stack([bad.sum().long(), hsum.sum()]).tolist()
+    return nbad == 0, (int(total) & _M if nbad == 0 else 0)
+
+
+def _use_triton(device: torch.device) -> bool:
+    """Whether the kernels run on this device: CUDA, built, and equal to the torch path on a probe (checked once)."""
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    with _lock:
+        if key not in _ok:
+            try:
+                g = torch.Generator(device="cpu").manual_seed(7)
+                old = torch.randint(0, 256, (3 * 8 * BLOCK64 + 64,), dtype=torch.uint8, generator=g)
+                new = old.clone()
+                new[torch.randint(0, new.numel(), (300,), generator=g)] ^= 1
+                new, old = new.to(device), old.to(device)
+                a, b = _changes_triton(new, old), _changes_torch(new, old)
+                same = (torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
+                        and _span_triton(new, a.idx) == _span_torch(new, b.idx))
+                _ok[key] = bool(same)
+                if not same:
+                    log.warning("word_delta: the Triton kernels disagree with torch on %s: torch ops instead", device)
+            except Exception as e:  # no triton, no compiler: the torch path
+                log.debug("word_delta: the Triton kernels are not usable on %s (%s): torch ops instead", device, e)
+                _ok[key] = False
+        return _ok[key]
+
+
+def find_changes(new: torch.Tensor, old: torch.Tensor) -> Changes:
+    """The changed 16-bit words of ``new`` against ``old`` and the word hash's change (both ``eligible``)."""
+    if not eligible(new, old) or new.numel() != old.numel():
+        raise ValueError(f"find_changes takes two equal-sized eligible uint8 chunks, got {new.numel()} / "
+                         f"{old.numel()} bytes on {new.device} / {old.device}")
+    return _changes_triton(new, old) if _use_triton(new.device) else _changes_torch(new, old)
+
+
+def span_terms(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
+    """(whether ``idx`` — 16-bit word indices, int32 or int64 — is strictly increasing within the chunk's words;
+    the sum of the terms of the 64-bit words of ``chunk`` it touches, 0 when not)."""
+    if not eligible(chunk):
+        raise ValueError(f"span_terms takes an eligible uint8 chunk, got {chunk.numel()} bytes at {chunk.data_ptr():#x}")
+    if idx.device != chunk.device:
+        raise ValueError(f"indices on {idx.device}, chunk on {chunk.device}")
+    return _span_triton(chunk, idx) if _use_triton(chunk.device) else _span_torch(chunk, idx)

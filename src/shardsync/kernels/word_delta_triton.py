@@ -1,0 +1,66 @@
+"""The Triton kernels of ``kernels/word_delta.py`` (imported only where they may run: it imports triton).
+
+``count``: per block of 64-bit words, the changed 16-bit words and the word hash terms' change; ``compact``: the
+changed words' indices and new values at each block's offset; ``span``: the terms of the 64-bit words a sorted index
+list touches, and how many indices break the order or the range. Their contract is ``word_delta``'s torch path.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mixed(w, pos1, g, c1, c2):
+    x = (w ^ (pos1.to(tl.uint64) * g)) * c1
+    x = x ^ (x >> 32)
+    x = x * c2
+    return x ^ (x >> 29)
+
+
+@triton.jit
+def count(new_ptr, old_ptr, counts_ptr, hsum_ptr, n64, g, c1, c2, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n64
+    a = tl.load(new_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    b = tl.load(old_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
+    x = a ^ b
+    c = (((x & 0xFFFF) != 0).to(tl.int32) + (((x >> 16) & 0xFFFF) != 0).to(tl.int32)
+         + (((x >> 32) & 0xFFFF) != 0).to(tl.int32) + ((x >> 48) != 0).to(tl.int32))
+    tl.store(counts_ptr + pid, tl.sum(c, axis=0).to(tl.int64))
+    d = _mixed(a, offs + 1, g, c1, c2) - _mixed(b, offs + 1, g, c1, c2)
+    d = tl.where(x != 0, d, tl.zeros_like(d))
+    tl.store(hsum_ptr + pid, tl.sum(d, axis=0).to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def compact(new_ptr, old_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lim = tl.where(tl.load(counts_ptr + pid) > 0, n16, 0)
+    m = offs < lim  # a block without changes loads nothing
+    a = tl.load(new_ptr + offs, mask=m, other=0)
+    b = tl.load(old_ptr + offs, mask=m, other=0)
+    ch = (a != b) & m
+    c = ch.to(tl.int32)
+    at = tl.load(starts_ptr + pid) + (tl.cumsum(c, axis=0) - c).to(tl.int64)
+    tl.store(idx_ptr + at, offs, mask=ch)
+    tl.store(val_ptr + at, a, mask=ch)
+
+
+@triton.jit
+def span(words_ptr, idx_ptr, k, n16, hsum_ptr, bad_ptr, g, c1, c2, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < k
+    i = tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+    prev = tl.load(idx_ptr + offs - 1, mask=m & (offs > 0), other=-1).to(tl.int64)
+    bad = m & ((i < 0) | (i >= n16) | (i <= prev))
+    good = m & ~bad
+    p = i >> 2
+    first = good & ((prev < 0) | ((prev >> 2) != p))
+    w = tl.load(words_ptr + p, mask=first, other=0).to(tl.uint64, bitcast=True)
+    t = _mixed(w, p + 1, g, c1, c2)
+    t = tl.where(first, t, tl.zeros_like(t))
+    tl.store(hsum_ptr + pid, tl.sum(t, axis=0).to(tl.int64, bitcast=True))
+    tl.store(bad_ptr + pid, tl.sum(bad.to(tl.int32), axis=0))
