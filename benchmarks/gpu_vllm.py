@@ -8,7 +8,9 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
   per sync; then every parameter and buffer's bytes (sha256, after processing), their addresses before and after the
   syncs (CUDA graphs capture addresses), and greedy tokens;
 * ``fresh``: an engine started on the last version's checkpoint: the same probes;
-* ``ipc``: vLLM's own ``ipc`` backend into the same kind of engine, the same versions (seconds per sync, probes).
+* ``ipc``: vLLM's own ``ipc`` backend into the same kind of engine, the same versions (seconds per sync, probes);
+* ``dense`` (``--delta ... --with-dense``): shardsync with delta off on the delta run's versions: the summary's
+  ``delta`` gives, per changed fraction, both paths' median seconds and the bytes the worker read.
 
     python benchmarks/gpu_vllm.py --model tiny --graphs --json      # exactness, CUDA graphs on
     python benchmarks/gpu_vllm.py --model tiny-mla --quant fp8      # DeepSeek-V3-style MLA + MoE, FP8 online
@@ -21,6 +23,8 @@ run in vLLM's subprocess on the same GPU. Each phase runs in its own process (on
     python benchmarks/gpu_vllm.py --model bench --baseline --json   # 24 Qwen3 layers (2.6 GB) vs vLLM's ipc
     python benchmarks/gpu_vllm.py --model moe-bench --graphs --general --baseline --json
         # 4 Qwen3-30B-A3B-shaped MoE layers (5.25 GB): the direct path, the general path (--no-direct), ipc, floor
+    python benchmarks/gpu_vllm.py --model moe-bench --delta 0.001,0.01,0.05 --delta-mode always --with-dense \
+        --syncs 7 --json      # delta at 0.1 / 1 / 5 % changed (two versions each) against dense, the same versions
 
 Memory (colocated, one GPU): the trainer's figures are its process's CUDA allocator (the ring shardsync packs into
 is allocated at ``trainer_init``; ``ipc`` exports the trainer's own tensors); the engine's are its worker's
@@ -36,16 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from gpu_vllm_weights import MODELS, build_checkpoint, load_state, save_version, version_state
+from gpu_vllm_weights import MODELS, build_checkpoint, fraction, load_state, save_version, version_state
 
 PROMPTS = [[1, 17, 42, 99, 7, 3], [5, 6, 7, 8]]
-CHANGED: float | None = None
-"""``--delta``: from version 2 on, each version changes only this fraction of the elements of the one before."""
+CHANGED: list[float] | None = None
+"""``--delta``: from version 2 on, each version changes only a fraction of the elements of the one before (these
+fractions in turn)."""
+
 def _probe(worker) -> dict:  # runs in the vLLM worker
     import hashlib
 
@@ -106,7 +113,8 @@ def phase(args) -> dict:
     ckpt = args.ckpt
     base = {k: t.to("cuda:0") for k, t in load_state(args.trainer_ckpt or ckpt).items()}
     t0 = time.perf_counter()
-    shard = args.phase in ("shardsync", "general")  # general: shardsync with every module on the general path
+    # general: shardsync with every module on the general path; dense: shardsync with delta off (beside a delta run)
+    shard = args.phase in ("shardsync", "general", "dense")
     args.no_direct = args.no_direct or args.phase == "general"
     llm = _llm(ckpt, args.graphs, None if args.phase == "fresh" else ("shardsync" if shard else "ipc"), args.quant,
                args.sleep and args.phase != "fresh")
@@ -143,7 +151,8 @@ def phase(args) -> dict:
             from shardsync import BlockFP8Source
 
             served = BlockFP8Source.for_checkpoint(source, ckpt)
-        delta = False if args.delta is None else ("always" if args.delta_mode == "always" else True)
+        delta = (False if args.delta is None or args.phase == "dense" else
+                 ("always" if args.delta_mode == "always" else True))
         eng = _shardsync_trainer(llm, served, delta=delta, direct=not args.no_direct, sync_memory=args.sync_memory)
         out["init_s"] = round(eng._init_s, 3)
         out["ring_bytes"] = eng.producer.stats["ring_bytes"]
@@ -182,8 +191,12 @@ def phase(args) -> dict:
         if shard:  # stage clocks of this sync, trainer and worker side (read after the timed part)
             out.setdefault("clocks", []).append({"trainer": _clocks(eng.producer.stats, _TRAINER_CLOCKS),
                                                  "worker": llm.collective_rpc(_worker_clocks)[0]})
+        if shard and args.delta is not None:  # the bytes the worker read this sync, the fraction it changed
+            wire = llm.collective_rpc(_wire)[0]
+            out.setdefault("wire_bytes", []).append(wire.get("bytes_received"))
+            out.setdefault("changed", []).append(fraction(CHANGED, v))
     out["sync_s"] = times
-    if shard and args.delta is not None:  # the last sync's delta counters, trainer and worker side
+    if shard and args.delta is not None and args.phase != "dense":  # the last sync's delta counters, both sides
         out["delta"] = {k: v for k, v in eng.producer.stats.items() if k.startswith("delta_")}
         out["delta_worker"] = llm.collective_rpc(_wire)[0]
     eng_now, eng_peak = llm.collective_rpc(_mem)[0]
@@ -323,9 +336,20 @@ def compare(a: dict, b: dict) -> list[str]:
 def summary(res: dict) -> dict:
     """Steady seconds a sync (the best after the first) per path, against the copy floor and vLLM's ipc."""
     floor = res.get("shardsync", {}).get("copy_floor_s")
-    steady = {n: min(r["sync_s"][1:] or r["sync_s"]) for n in ("shardsync", "general", "ipc")
+    steady = {n: min(r["sync_s"][1:] or r["sync_s"]) for n in ("shardsync", "general", "dense", "ipc")
               if (r := res.get(n)) and r.get("sync_s")}
     out: dict = {"steady_sync_s": steady, "copy_floor_s": floor}
+    d, dense = res.get("shardsync", {}), res.get("dense", {})
+    if d.get("changed") and dense.get("sync_s"):  # delta vs dense at each fraction: medians over its versions
+        out["delta"] = {}
+        for f in sorted({c for c in d["changed"] if c is not None}):
+            at = [i for i, c in enumerate(d["changed"]) if c == f]
+            med = statistics.median
+            ds, ns = med([d["sync_s"][i] for i in at]), med([dense["sync_s"][i] for i in at])
+            out["delta"][f"{f:g}"] = {"delta_sync_s": ds, "dense_sync_s": ns, "delta_over_dense": round(ds / ns, 2),
+                                      "delta_wire_bytes": med([d["wire_bytes"][i] for i in at]),
+                                      "dense_wire_bytes": med([dense["wire_bytes"][i] for i in at]),
+                                      "versions": len(at)}
     if floor:
         out["x_copy_floor"] = {n: round(t / floor, 1) for n, t in steady.items()}
     if "ipc" in steady:
@@ -349,8 +373,12 @@ def main() -> int:
     ap.add_argument("--trainer-ckpt", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--torn", action="store_true", help="then a sync aborted mid-way, then a complete one")
     ap.add_argument("--sleep", action="store_true", help="the engine sleeps (level 1) during each trainer step")
-    ap.add_argument("--delta", type=float, default=None, metavar="FRACTION",
-                    help="delta sync (trainer and worker); from version 2 on each version changes this fraction")
+    ap.add_argument("--delta", default=None, metavar="FRACTIONS",
+                    help="delta sync (trainer and worker); from version 2 on each version changes a fraction of the "
+                         "elements, these in turn (e.g. 0.001,0.01,0.05)")
+    ap.add_argument("--with-dense", action="store_true",
+                    help="with --delta: also a shardsync phase with delta off on the same versions (delta vs dense "
+                         "per fraction in the summary)")
     ap.add_argument("--delta-mode", choices=("auto", "always"), default="auto",
                     help="auto: delta where it pays (a colocated worker mapping the trainer's memory reads dense); "
                          "always: the worker reads deltas whatever the link (the GPU codec end to end)")
@@ -362,12 +390,12 @@ def main() -> int:
                     help="the sync's memory budget (GroupSettings.sync_memory_bytes; default: min(10%% of the model, "
                          "1 GiB); 0: groups never split)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--phase", choices=("shardsync", "general", "fresh", "ipc"), default=None)
+    ap.add_argument("--phase", choices=("shardsync", "general", "dense", "fresh", "ipc"), default=None)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global CHANGED
-    CHANGED = args.delta
+    CHANGED = None if args.delta is None else [float(x) for x in args.delta.split(",")]
     if args.phase:
         r = phase(args)
         with open(args.out, "w") as f:
@@ -405,7 +433,8 @@ def main() -> int:
     res: dict = {"model": args.model, "graphs": args.graphs, "quant": args.quant, "checkpoint": args.checkpoint,
                  "trainer": args.trainer, "sleep": args.sleep, "syncs": args.syncs, "delta": args.delta,
                  "delta_mode": args.delta_mode if args.delta is not None else None}
-    phases = [("shardsync", ckpt), *([("general", ckpt)] if args.general else []), ("fresh", final),
+    phases = [("shardsync", ckpt), *([("general", ckpt)] if args.general else []),
+              *([("dense", ckpt)] if args.delta is not None and args.with_dense else []), ("fresh", final),
               *([("ipc", ckpt)] if args.baseline and not trainer_ckpt else [])]  # ipc sends what the trainer holds
     for name, path in phases:
         out = os.path.join(work, f"{name}.json")
@@ -415,7 +444,7 @@ def main() -> int:
                *(["--no-direct"] if args.no_direct else []),
                *(["--sync-memory", str(args.sync_memory)] if args.sync_memory is not None else []),
                *(["--trainer-ckpt", trainer_ckpt] if trainer_ckpt and name != "fresh" else []),
-               *(["--delta", str(args.delta), "--delta-mode", args.delta_mode] if args.delta is not None else []),
+               *(["--delta", args.delta, "--delta-mode", args.delta_mode] if args.delta is not None else []),
                *(["--sleep"] if args.sleep and name != "fresh" else [])]
         p = subprocess.run(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr, timeout=900)
         if p.returncode != 0 or not os.path.exists(out):
@@ -424,7 +453,7 @@ def main() -> int:
         with open(out) as f:
             res[name] = json.load(f)
     fresh = res.get("fresh", {})
-    for name in ("shardsync", "general", "ipc"):
+    for name in ("shardsync", "general", "dense", "ipc"):
         r = res.get(name)
         if not r or "probe" not in r or "probe" not in fresh:
             continue

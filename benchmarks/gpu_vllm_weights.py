@@ -43,9 +43,17 @@ def build_checkpoint(model: str, out: str) -> str:
     return out
 
 
-def version_state(base: dict, v: int, changed: float | None = None) -> dict:
+def fraction(changed: float | list[float] | None, v: int) -> float | None:
+    """The fraction of elements version ``v`` changes (``--delta``: one fraction, or several taken in turn from
+    version 2 on); None: version ``v`` is new weights throughout."""
+    if changed is None or v < 2:
+        return None
+    return changed[(v - 2) % len(changed)] if isinstance(changed, list) else changed
+
+
+def version_state(base: dict, v: int, changed: float | list[float] | None = None) -> dict:
     """Deterministic weights of version ``v`` (v=0: the checkpoint's); ``changed`` (``--delta``): from version 2 on,
-    each version changes only this fraction of the elements of the one before."""
+    each version changes only this fraction of the elements of the one before (a list: its fractions in turn)."""
     import torch
 
     if v == 0:
@@ -54,9 +62,10 @@ def version_state(base: dict, v: int, changed: float | None = None) -> dict:
     if changed is not None and v > 1:  # an RL-like step: a few elements move (scales keep their version-1 values)
         prev = version_state(base, v - 1, changed)
         g = torch.Generator(device=dev).manual_seed(2000 + v)
+        f = fraction(changed, v)
         for k, t in prev.items():
             if "scale" not in k:
-                hit = torch.rand(t.shape, generator=g, device=dev) < changed
+                hit = torch.rand(t.shape, generator=g, device=dev) < f
                 t.copy_(torch.where(hit, (t.float() + 0.01 * torch.randn(t.shape, generator=g, device=dev)).to(t.dtype),
                                     t))
         return prev
@@ -76,7 +85,7 @@ def load_state(ckpt: str) -> dict:
     return out
 
 
-def save_version(src: str, dst: str, v: int, changed: float | None = None) -> None:
+def save_version(src: str, dst: str, v: int, changed: float | list[float] | None = None) -> None:
     """Version ``v``'s checkpoint at ``dst`` (``src``'s config and other files)."""
     import shutil
 

@@ -162,7 +162,7 @@ def test_cuda_kernels_are_used_and_agree() -> None:
     """On a GPU the compiled kernels pass their probe and give the torch path's results on large chunks."""
     new, old = _pair(64 << 20, 300_000, 5)
     dn, do = new.cuda(), old.cuda()
-    assert word_delta._use_triton(dn.device)
+    assert word_delta._use_triton(dn.device), word_delta.why_not
     a = word_delta.find_changes(dn, do)
     b = word_delta._changes_torch(new, old)
     assert torch.equal(a.idx.cpu(), b.idx) and torch.equal(a.vals.cpu(), b.vals) and a.hash_delta == b.hash_delta

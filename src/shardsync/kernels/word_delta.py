@@ -91,6 +91,8 @@ def _span_torch(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
 
 # ------------------------------------------------------------------------------------------------ Triton
 _ok: dict[str, bool] = {}
+why_not: dict[str, str] = {}
+"""Per device, why the kernels are not used there (a build error, a disagreement with torch)."""
 _lock = threading.Lock()
 
 
@@ -154,10 +156,13 @@ def _use_triton(device: torch.device) -> bool:
                         and _span_triton(new, a.idx) == _span_torch(new, b.idx))
                 _ok[key] = bool(same)
                 if not same:
-                    log.warning("word_delta: the Triton kernels disagree with torch on %s: torch ops instead", device)
+                    why_not[key] = "the kernels disagree with torch on a probe"
             except Exception as e:  # no triton, no compiler: the torch path
-                log.debug("word_delta: the Triton kernels are not usable on %s (%s): torch ops instead", device, e)
+                why_not[key] = f"{type(e).__name__}: {e}"
                 _ok[key] = False
+            if not _ok[key]:
+                log.warning("word_delta: the Triton kernels are not used on %s (%s): torch ops instead", device,
+                            why_not[key][:500])
         return _ok[key]
 
 
