@@ -32,6 +32,7 @@ the chunk and the field::
     h = read_header(wire, nbytes=layout_chunk.nbytes, base=4, where="plan ab12 group model.layers.0 chunk 0")
     decode_(mirror, Encoded(h, payload), base=4)         # consumer: mirror holds its version-4 bytes
     verify(mirror, h)                                    # xxh3-64 of the bytes it now holds
+    h5 = apply_verified(mirror, enc5, base=5, held_hash=h4)  # or both at once; a GPU chunk's word hash folded
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from ..kernels import word_delta
 from ..kernels.word_hash import fold
 
 __all__ = ["DENSE", "PAIRS", "BITMAP", "KINDS", "HEADER_MAX", "DeltaHeader", "Encoded", "encode", "dense",
-           "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes",
-           "word_size", "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words", "find_changes", "encode_changes",
-           "validate", "apply_changes", "apply_verified"]
+           "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes", "word_size",
+           "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words",
+           "find_changes", "encode_changes", "validate", "apply_changes", "apply_verified"]
 
 DENSE, PAIRS, BITMAP = "dense", "pairs", "bitmap"
 KINDS = (DENSE, PAIRS, BITMAP)
