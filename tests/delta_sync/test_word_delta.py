@@ -42,20 +42,24 @@ def test_changes_and_the_folded_hash_are_the_definitions(words: int, changes: in
     ref = _reference(new, old)
     assert torch.equal(ch.idx, ref) and torch.equal(ch.vals, new.view(torch.int16)[ref])
     assert fold(word_hash(old), new.numel(), ch.hash_delta) == word_hash(new)
-    ok_new, t_new = word_delta.span_terms(new, ref)
-    ok_old, t_old = word_delta.span_terms(old, ref.to(torch.int32))  # the pairs form's int32 indices
-    assert ok_new and ok_old and fold(word_hash(old), new.numel(), t_new - t_old) == word_hash(new)
+    before = old.clone()
+    ok, change = word_delta.change_terms(old, ref.to(torch.int32), ch.vals)  # the pairs form's int32 indices
+    assert ok and fold(word_hash(old), new.numel(), change) == word_hash(new)
+    assert torch.equal(old, before)  # nothing written
 
 
-def test_span_terms_refuses_indices_out_of_order_or_range() -> None:
+def test_change_terms_refuses_indices_out_of_order_or_range() -> None:
     new, old = _pair(8 * 500, 60, 3)
     idx = _reference(new, old)
     assert idx.numel() > 3
     for bad in (idx.flip(0), torch.cat([idx[:2], idx[1:2], idx[2:]]), torch.cat([idx, torch.tensor([2000])]),
                 torch.cat([torch.tensor([-1]), idx])):
-        assert word_delta.span_terms(new, bad) == (False, 0)
+        vals = torch.zeros(bad.numel(), dtype=torch.int16)
+        assert word_delta.change_terms(old, bad, vals) == (False, 0)
     with pytest.raises(ValueError):
-        word_delta.span_terms(new[1:9], idx[:1])  # an unaligned chunk is not for the fused paths
+        word_delta.change_terms(new[1:9], idx[:1], idx[:1].to(torch.int16))  # an unaligned chunk is not for them
+    with pytest.raises(ValueError):
+        word_delta.change_terms(new, idx, idx[1:].to(torch.int16))  # a value per index
     with pytest.raises(ValueError):
         word_delta.find_changes(new[:12], old[:12])  # nor a partial 64-bit word
 
@@ -75,6 +79,7 @@ def test_apply_verified_folds_the_held_hash(changes: int) -> None:
     held = old.clone()
     with pytest.raises(DeltaMismatch):  # the held hash is not the held bytes': the fold does not meet the checksum
         codec.apply_verified(held, enc, base=4, held_hash=word_hash(old) ^ 1)
+    assert torch.equal(held, old)  # found before a byte was written
     if enc.header.kind == codec.PAIRS and enc.header.count > 1:
         k = enc.header.count
         forged = enc.payload.clone()
@@ -140,10 +145,12 @@ for words in (0, 1, 1023, 1024, 1025, 3 * 1024 + 7):
         assert torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
         assert fold(word_hash(old), new.numel(), a.hash_delta) == word_hash(new)
         if words:
-            assert word_delta._span_triton(new, a.idx) == word_delta._span_torch(new, a.idx)
-            assert word_delta._span_triton(new, a.idx.to(torch.int32)) == word_delta._span_torch(new, a.idx)
+            want = word_delta._change_torch(old, a.idx, a.vals)
+            assert want[0] and fold(word_hash(old), new.numel(), want[1]) == word_hash(new)
+            assert word_delta._change_triton(old, a.idx, a.vals) == want
+            assert word_delta._change_triton(old, a.idx.to(torch.int32), a.vals) == want
             if a.idx.numel() > 1:
-                assert word_delta._span_triton(new, a.idx.flip(0))[0] is False
+                assert word_delta._change_triton(old, a.idx.flip(0), a.vals)[0] is False
 print("kernels agree")
 """
 

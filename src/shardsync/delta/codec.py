@@ -392,10 +392,11 @@ def apply_verified(dst: torch.Tensor, enc: Encoded, *, base: int | None = None, 
                    where: str = "") -> int | None:
     """Consumer: :func:`decode_` then :func:`verify`; returns the checksum ``dst`` now has (the header's, None
     without one). ``held_hash``: the word hash of ``dst``'s bytes before (verified when they were written) — for a
-    word-hashed delta on whole aligned 64-bit words the check then costs work proportional to the changes: the
-    terms of the 64-bit words the delta touches, before and after, fold the held hash into the new one (a pairs
-    payload's order and range are checked in the same kernel). Raises as ``decode_`` / ``verify``; after a
-    ``DeltaMismatch`` ``dst`` holds the wrong bytes (read it dense)."""
+    word-hashed delta on whole aligned 64-bit words the check then costs work proportional to the changes and runs
+    before anything is written: what the delta would do to the terms of the 64-bit words it touches folds the held
+    hash into the one the bytes would have, which must be the header's (a pairs payload's order and range are
+    checked in the same kernel). Raises as ``decode_`` / ``verify``; after a ``DeltaMismatch`` from the full check
+    (no held hash) ``dst`` holds the wrong bytes (read it dense), after one from the fold it is untouched."""
     h = enc.header
     if not (h.kind != DENSE and h.hash == WORD and h.checksum is not None and held_hash is not None
             and word_delta.eligible(dst)):
@@ -409,15 +410,14 @@ def apply_verified(dst: torch.Tensor, enc: Encoded, *, base: int | None = None, 
         vals = _typed(enc.payload, 4 * h.count, size, torch.int16)
     else:
         idx, vals = validate(dst, enc, base, where)
-    ok, before = word_delta.span_terms(dst, idx)
+    ok, change = word_delta.change_terms(dst, idx, vals)
     if not ok:
         raise DeltaFormatError(f"{at}: pairs indices must be strictly increasing within 0..{dst.numel() // 2 - 1}",
                                field="indices")
+    if fold(held_hash, dst.numel(), change) != h.checksum:  # checked before a byte is written
+        raise DeltaMismatch(f"{at}: the {h.kind} delta applied to the held bytes would not match the producer's "
+                            f"checksum {h.checksum:#018x}; nothing was written")
     apply_changes(dst, idx.long(), vals)
-    _, after = word_delta.span_terms(dst, idx)
-    if fold(held_hash, dst.numel(), after - before) != h.checksum:
-        raise DeltaMismatch(f"{at}: bytes after applying the {h.kind} delta do not match the producer's checksum "
-                            f"{h.checksum:#018x}")
     return h.checksum
 
 

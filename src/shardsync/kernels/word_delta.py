@@ -11,9 +11,10 @@ and that sum into the new hash). So:
   compacted indices and values at each block's offset (a block without changes reads nothing the second time) —
   instead of torch's compare / nonzero / refine / gather passes and a hash of the whole chunk. Elsewhere (CPU,
   an odd or unaligned chunk) the same results from torch ops.
-- :func:`span_terms` (consumer): the terms of the 64-bit words a sorted index list touches, checking on the way
-  that the indices are strictly increasing and in range (one kernel, one host sync): before and after applying a
-  delta, their difference folds the held hash into the new one.
+- :func:`change_terms` (consumer): what writing a delta's values at its indices would do to the terms of the
+  64-bit words they touch, checking on the way that the indices are strictly increasing and in range — one kernel,
+  one host sync, nothing written: the held hash folded by it must be the producer's checksum before a byte of the
+  delta is applied.
 
 Every result is the definition's: the Triton and torch paths agree bit for bit (checked once per device against
 each other before the kernels are used, as for the word hash) and the tests check both against ``word_hash``::
@@ -32,14 +33,14 @@ import torch
 
 from .word_hash import C1, C2, G, fold, mix_terms
 
-__all__ = ["Changes", "find_changes", "span_terms", "fold", "eligible", "terms_torch"]
+__all__ = ["Changes", "find_changes", "change_terms", "fold", "eligible", "terms_torch"]
 
 log = logging.getLogger(__name__)
 
 BLOCK64 = 1024
 """64-bit words per program of the count pass (its compact pass takes the same bytes as 4x as many 16-bit words)."""
 TERM_BLOCK = 1024
-"""Indices per program of :func:`span_terms`."""
+"""Indices per program of :func:`change_terms`."""
 _M = (1 << 64) - 1
 
 
@@ -80,13 +81,23 @@ def _changes_torch(new: torch.Tensor, old: torch.Tensor) -> Changes:
     return Changes(idx, a.index_select(0, idx), (terms_torch(new, idx) - terms_torch(old, idx)) & _M)
 
 
-def _span_torch(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
+def _change_torch(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> tuple[bool, int]:
     n16 = chunk.numel() // 2
     if not idx.numel():
         return True, 0
     i = idx.long()
     ok = bool(((i[0] >= 0) & (i[-1] < n16) & ((i[1:] > i[:-1]).all() if i.numel() > 1 else True)).item())
-    return ok, (terms_torch(chunk, i) if ok else 0)
+    if not ok:
+        return False, 0
+    p = i >> 2
+    first = torch.ones_like(p, dtype=torch.bool)
+    first[1:] = p[1:] != p[:-1]
+    words = p[first]
+    old = chunk.view(torch.int64).index_select(0, words)
+    new = old.clone()
+    rank = first.long().cumsum(0) - 1  # which touched word each change lies in
+    new.view(torch.int16).index_copy_(0, rank * 4 + (i & 3), vals.view(torch.int16))
+    return True, int((mix_terms(new, words + 1) - mix_terms(old, words + 1)).sum()) & _M
 
 
 # ------------------------------------------------------------------------------------------------ Triton
@@ -99,7 +110,7 @@ _lock = threading.Lock()
 def _triton():
     from . import word_delta_triton as k  # imports triton: only where the kernels may run
 
-    return k.count, k.compact, k.span
+    return k.count, k.compact, k.change
 
 
 def _changes_triton(new: torch.Tensor, old: torch.Tensor) -> Changes:
@@ -124,16 +135,16 @@ def _changes_triton(new: torch.Tensor, old: torch.Tensor) -> Changes:
     return Changes(idx, vals, hdelta)
 
 
-def _span_triton(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
-    _, _, span = _triton()
+def _change_triton(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> tuple[bool, int]:
+    _, _, change = _triton()
     k = idx.numel()
     if not k:
         return True, 0
     blocks = -(-k // TERM_BLOCK)
     hsum = torch.empty(blocks, dtype=torch.int64, device=chunk.device)
     bad = torch.empty(blocks, dtype=torch.int32, device=chunk.device)
-    span[(blocks,)](chunk.view(torch.int64), idx, k, chunk.numel() // 2, hsum, bad, G, C1, C2, BLOCK=TERM_BLOCK,
-                    num_warps=4)
+    change[(blocks,)](chunk.view(torch.int64), idx, vals.view(torch.int16), k, chunk.numel() // 2, hsum, bad, G, C1,
+                      C2, BLOCK=TERM_BLOCK, num_warps=4)
     nbad, total = torch.stack([bad.sum().long(), hsum.sum()]).tolist()
     return nbad == 0, (int(total) & _M if nbad == 0 else 0)
 
@@ -153,7 +164,7 @@ def _use_triton(device: torch.device) -> bool:
                 new, old = new.to(device), old.to(device)
                 a, b = _changes_triton(new, old), _changes_torch(new, old)
                 same = (torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
-                        and _span_triton(new, a.idx) == _span_torch(new, b.idx))
+                        and _change_triton(old, a.idx, a.vals) == _change_torch(old, b.idx, b.vals))
                 _ok[key] = bool(same)
                 if not same:
                     why_not[key] = "the kernels disagree with torch on a probe"
@@ -174,11 +185,15 @@ def find_changes(new: torch.Tensor, old: torch.Tensor) -> Changes:
     return _changes_triton(new, old) if _use_triton(new.device) else _changes_torch(new, old)
 
 
-def span_terms(chunk: torch.Tensor, idx: torch.Tensor) -> tuple[bool, int]:
+def change_terms(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> tuple[bool, int]:
     """(whether ``idx`` — 16-bit word indices, int32 or int64 — is strictly increasing within the chunk's words;
-    the sum of the terms of the 64-bit words of ``chunk`` it touches, 0 when not)."""
+    the change of the word hash's terms were ``vals`` (16-bit, one per index) written there, 0 when not). Nothing is
+    written: ``fold(hash, n, change)`` is the hash the chunk would have."""
     if not eligible(chunk):
-        raise ValueError(f"span_terms takes an eligible uint8 chunk, got {chunk.numel()} bytes at {chunk.data_ptr():#x}")
-    if idx.device != chunk.device:
-        raise ValueError(f"indices on {idx.device}, chunk on {chunk.device}")
-    return _span_triton(chunk, idx) if _use_triton(chunk.device) else _span_torch(chunk, idx)
+        raise ValueError(f"change_terms takes an eligible uint8 chunk, got {chunk.numel()} bytes at "
+                         f"{chunk.data_ptr():#x}")
+    if idx.device != chunk.device or vals.device != chunk.device or vals.numel() != idx.numel() \
+            or vals.element_size() != 2:
+        raise ValueError(f"indices ({idx.numel()} on {idx.device}) and 16-bit values ({vals.numel()} {vals.dtype} on "
+                         f"{vals.device}) for a chunk on {chunk.device}")
+    return _change_triton(chunk, idx, vals) if _use_triton(chunk.device) else _change_torch(chunk, idx, vals)

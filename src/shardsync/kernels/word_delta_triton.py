@@ -1,8 +1,9 @@
 """The Triton kernels of ``kernels/word_delta.py`` (imported only where they may run: it imports triton).
 
 ``count``: per block of 64-bit words, the changed 16-bit words and the word hash terms' change; ``compact``: the
-changed words' indices and new values at each block's offset; ``span``: the terms of the 64-bit words a sorted index
-list touches, and how many indices break the order or the range. Their contract is ``word_delta``'s torch path.
+changed words' indices and new values at each block's offset; ``change``: what writing values at a sorted index list would
+do to the terms of the 64-bit words it touches (nothing is written), and how many indices break the order or the
+range. Their contract is ``word_delta``'s torch path.
 """
 
 import triton
@@ -49,7 +50,7 @@ def compact(new_ptr, old_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, BLO
 
 
 @triton.jit
-def span(words_ptr, idx_ptr, k, n16, hsum_ptr, bad_ptr, g, c1, c2, BLOCK: tl.constexpr):
+def change(words_ptr, idx_ptr, val_ptr, k, n16, hsum_ptr, bad_ptr, g, c1, c2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < k
@@ -58,9 +59,17 @@ def span(words_ptr, idx_ptr, k, n16, hsum_ptr, bad_ptr, g, c1, c2, BLOCK: tl.con
     bad = m & ((i < 0) | (i >= n16) | (i <= prev))
     good = m & ~bad
     p = i >> 2
-    first = good & ((prev < 0) | ((prev >> 2) != p))
+    first = good & ((prev < 0) | ((prev >> 2) != p))  # the first change of its 64-bit word
     w = tl.load(words_ptr + p, mask=first, other=0).to(tl.uint64, bitcast=True)
-    t = _mixed(w, p + 1, g, c1, c2)
+    nw = w
+    for j in tl.static_range(4):  # the word's changes are this one and the next (at most 3 more, in order)
+        mj = first & (offs + j < k)
+        ij = tl.load(idx_ptr + offs + j, mask=mj, other=0).to(tl.int64)
+        vj = tl.load(val_ptr + offs + j, mask=mj, other=0).to(tl.uint16, bitcast=True).to(tl.uint64)
+        same = mj & ((ij >> 2) == p)
+        sh = ((ij & 3) * 16).to(tl.uint64)
+        nw = tl.where(same, (nw & ~(tl.full(nw.shape, 0xFFFF, tl.uint64) << sh)) | (vj << sh), nw)
+    t = _mixed(nw, p + 1, g, c1, c2) - _mixed(w, p + 1, g, c1, c2)
     t = tl.where(first, t, tl.zeros_like(t))
     tl.store(hsum_ptr + pid, tl.sum(t, axis=0).to(tl.int64, bitcast=True))
     tl.store(bad_ptr + pid, tl.sum(bad.to(tl.int32), axis=0))
