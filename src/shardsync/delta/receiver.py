@@ -57,6 +57,7 @@ class HeldChunks:
         """The word hash of each chunk's held bytes where a delta's check established it: the next delta's check
         folds it (``codec.apply_verified``) instead of hashing the chunk."""
         self._staging: dict[int, torch.Tensor] = {}
+        self._staging_used: dict[int, Any] = {}  # producer -> CUDA event after the last work reading its staging
         self._touched: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("delta_chunks", "delta_dense_chunks", "delta_heals", "delta_rejected",
@@ -71,11 +72,30 @@ class HeldChunks:
         return ChunkParts([(c, self.view(group, c.index)) for c in self.layouts[group].chunks])
 
     def staging(self, p: int) -> torch.Tensor:
+        """Producer ``p``'s staging buffer, once the work queued on the last payload read into it has run (a
+        transport copies on its own stream: the next payload must not land under a decode still queued)."""
         with self._lock:
             s = self._staging.get(p)
             if s is None:
                 s = self._staging[p] = torch.empty(self.largest, dtype=torch.uint8, device=self.device)
-            return s
+        self.settle(p)
+        return s
+
+    def settle(self, p: int) -> None:
+        """Wait for the work queued on producer ``p``'s staging buffer (the held bytes it writes are then there for
+        an apply on another stream)."""
+        with self._lock:
+            ev = self._staging_used.pop(p, None)
+        if ev is not None:
+            ev.synchronize()
+
+    def staged(self, p: int) -> None:
+        """The work reading producer ``p``'s staging buffer is queued (on this thread's current stream)."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            with self._lock:
+                self._staging_used[p] = ev
 
     def begin(self) -> None:
         self._touched = set()
@@ -171,8 +191,11 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
                 if size:
                     fetch(d_off, size, buf, payload=True)  # a DeltaError where the offer cannot be read
                 # validated, applied, the held bytes hash to h.checksum (folded from the held hash where known)
-                codec.apply_verified(dst, codec.Encoded(h, buf), base=have, held_hash=have_hash,
-                                     where=f"{where}, chunk {ci}")
+                try:
+                    codec.apply_verified(dst, codec.Encoded(h, buf), base=have, held_hash=have_hash,
+                                         where=f"{where}, chunk {ci}")
+                finally:
+                    held.staged(p)
                 # its own checksum / keyed tag (the xxh3 just computed is not computed twice)
                 verify(dst, checksum, tag, group, ci, hashed=h.checksum if h.hash == codec.XXH3 else None)
                 held.written(group, ci, h.checksum if h.hash == codec.WORD else None)
@@ -184,4 +207,5 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
         verify(dst, checksum, tag, group, ci)
         held.count(delta_dense_chunks=1, delta_dense_bytes=n)
         got += n
+    held.settle(p)  # the deltas' writes have landed before the group is applied (on the applier's stream)
     return got
