@@ -309,6 +309,11 @@ def _typed(payload: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch
     return part.view(dtype)
 
 
+def _pairs(payload: torch.Tensor, k: int, size: int, wdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pairs payload's int32 indices and its values (words of ``wdt``); nothing checked."""
+    return _typed(payload, 0, 4 * k, torch.int32), _typed(payload, 4 * k, size, wdt)
+
+
 def _checked_payload(dst: torch.Tensor, enc: Encoded, base: int | None, at: str) -> int:
     """The header against ``dst`` and the version held, the payload's length and device; returns its size."""
     _check_chunk(dst, "dst", at)
@@ -334,8 +339,8 @@ def validate(dst: torch.Tensor, enc: Encoded, base: int | None = None, where: st
     w, n, k = word_size(h.nbytes), h.nbytes // word_size(h.nbytes), h.count
     wdt = torch.int16 if w == 2 else torch.uint8
     if h.kind == PAIRS:
-        idx = _typed(payload, 0, 4 * k, torch.int32).long()
-        vals = _typed(payload, 4 * k, size, wdt)
+        idx, vals = _pairs(payload, k, size, wdt)
+        idx = idx.long()
         if k and (int(idx[0]) < 0 or int(idx[-1]) >= n or (k > 1 and not bool((idx[1:] > idx[:-1]).all()))):
             raise DeltaFormatError(f"{at}: pairs indices must be strictly increasing within 0..{n - 1}",
                                    field="indices")
@@ -405,9 +410,7 @@ def apply_verified(dst: torch.Tensor, enc: Encoded, *, base: int | None = None, 
         return h.checksum
     at = where or "chunk"
     if h.kind == PAIRS:
-        size = _checked_payload(dst, enc, base, at)
-        idx = _typed(enc.payload, 0, 4 * h.count, torch.int32)
-        vals = _typed(enc.payload, 4 * h.count, size, torch.int16)
+        idx, vals = _pairs(enc.payload, h.count, _checked_payload(dst, enc, base, at), torch.int16)
     else:
         idx, vals = validate(dst, enc, base, where)
     ok, change = word_delta.change_terms(dst, idx, vals)

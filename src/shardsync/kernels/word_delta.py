@@ -63,14 +63,20 @@ def eligible(*ts: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ torch reference
+def _first_of_word(p: torch.Tensor) -> torch.Tensor:
+    """For sorted 64-bit word positions ``p`` (one per changed 16-bit word): whether each is the first of its word."""
+    first = torch.ones_like(p, dtype=torch.bool)
+    first[1:] = p[1:] != p[:-1]
+    return first
+
+
 def terms_torch(chunk: torch.Tensor, idx: torch.Tensor) -> int:
     """Sum of the terms of the distinct 64-bit words of ``chunk`` (uint8, ``eligible``) holding the sorted 16-bit
     word indices ``idx`` (no checks)."""
     if not idx.numel():
         return 0
     p = idx.long() >> 2
-    first = torch.ones_like(p, dtype=torch.bool)
-    first[1:] = p[1:] != p[:-1]
+    first = _first_of_word(p)
     t = mix_terms(chunk.view(torch.int64).index_select(0, p), p + 1)
     return int(torch.where(first, t, torch.zeros_like(t)).sum()) & _M
 
@@ -90,8 +96,7 @@ def _change_torch(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) ->
     if not ok:
         return False, 0
     p = i >> 2
-    first = torch.ones_like(p, dtype=torch.bool)
-    first[1:] = p[1:] != p[:-1]
+    first = _first_of_word(p)
     words = p[first]
     old = chunk.view(torch.int64).index_select(0, words)
     new = old.clone()
@@ -117,16 +122,15 @@ def _changes_triton(new: torch.Tensor, old: torch.Tensor) -> Changes:
     count, compact, _ = _triton()
     n64 = new.numel() // 8
     blocks = -(-n64 // BLOCK64)
-    counts = torch.empty(blocks + 1, dtype=torch.int64, device=new.device)
+    counts = torch.empty(blocks, dtype=torch.int64, device=new.device)
     hsum = torch.empty(blocks, dtype=torch.int64, device=new.device)
+    starts = torch.zeros(blocks + 1, dtype=torch.int64, device=new.device)  # exclusive; the last is the total
     if blocks:
         count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, n64, G, C1, C2, BLOCK=BLOCK64,
                          num_warps=8)
-    counts[blocks] = 0
-    starts = counts.cumsum(0).roll(1)  # exclusive: starts[0] = total, overwritten below; starts[blocks] = total
-    total_and_hash = torch.stack([starts[0], hsum.sum() if blocks else starts[0] * 0]).tolist()
-    k, hdelta = int(total_and_hash[0]), int(total_and_hash[1]) & _M
-    starts[0] = 0
+        starts[1:] = counts.cumsum(0)
+    k, hdelta = torch.stack([starts[-1], hsum.sum()]).tolist()
+    hdelta &= _M
     idx = torch.empty(k, dtype=torch.int64, device=new.device)
     vals = torch.empty(k, dtype=torch.int16, device=new.device)
     if k:
