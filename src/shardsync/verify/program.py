@@ -61,6 +61,8 @@ def verify_engine(llm, model_dir: str, *, tp: int, ep: bool, validate: bool = Tr
         result["tied"] = inits[0]["tied"]
         result["direct_modules_per_rank"] = [i["direct_modules"] for i in inits]
         result["general_modules_per_rank"] = [i["general_modules"] for i in inits]
+        result["reloaded_modules_per_rank"] = [i["reloaded_modules"] for i in inits]
+        result["modules_per_rank"] = [i["modules"] for i in inits]
         result["not_direct"] = inits[0]["not_direct"]
         by_name = {m.name: m for m in metas}
         result["fallback"] = [{"src": f.src, "dests": list(f.dests), "bytes": by_name[f.src].nbytes,
@@ -154,7 +156,8 @@ def print_summary(r: dict) -> None:
             print(f"  rank {i}: received {b / 1e6:.3f} MB ({b / full:.0%} of {full / 1e6:.3f} MB)", file=out)
     if r.get("direct_modules_per_rank"):
         print(f"  written directly into live tensors: {r['direct_modules_per_rank']} modules per rank; general path "
-              f"(buffers + first-load processing): {r['general_modules_per_rank']}", file=out)
+              f"(buffers + first-load processing): {r['general_modules_per_rank']}; through vLLM's layerwise "
+              f"reload each sync: {r.get('reloaded_modules_per_rank')} of {r.get('modules_per_rank')}", file=out)
     for k, rep in (r.get("processing") or {}).items():
         if rep.get("vllm_reload_differs") or rep.get("mode") != "inplace":
             print(f"  processing {k}: {rep['mode']}{'  (vLLM reload differs from a first load)' if rep.get('vllm_reload_differs') else ''}",

@@ -158,13 +158,14 @@ class FreshProcessor:
         self._inputs: dict[tuple[str, str], torch.Tensor] = {}
         self.open = False
 
-    def begin(self) -> None:
-        """Before vLLM's ``initialize_layerwise_reload``: snapshot every module's exact tensor slots and
-        route the model's layers to :meth:`process`."""
+    def begin(self, modules: Sequence[str] | None = None) -> None:
+        """Before vLLM's ``initialize_layerwise_reload``: snapshot the exact tensor slots of ``modules`` (the ones
+        handed to vLLM's reload; None: every module) and route those layers to :meth:`process`."""
         if self.open:
             raise SyncError("an update window is already open on this engine")
         vllm_layerwise_process()
-        self.live = {m: TensorSnapshot.of(m) for m in self.model.modules()}
+        mods = self.model.modules() if modules is None else (self.model.get_submodule(n) for n in modules)
+        self.live = {m: TensorSnapshot.of(m) for m in mods}
         self.rebound.clear()
         self.done.clear()
         self.processed = []

@@ -59,7 +59,7 @@ from .plugin import require_plugin
 from .fresh_check import fresh_check
 from .guard import HeldVersions
 from .ownership import STALE_MARK, Owner, StaleSessionError, wait_owner_gone
-from .layerwise import (LayerApplier, begin_reload, check_processing, record_vllm_plan,
+from .layerwise import (LayerApplier, begin_reload, check_processing, record_vllm_plan, reloaded_modules,
                         refuse_rebind_under_cuda_graphs, validate_plan, vllm_context)
 from .processor import FreshProcessor
 
@@ -180,6 +180,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         """Modules a sync writes straight into their live tensors (``layerwise.direct_modules``)."""
         self.not_direct: dict[str, str] = {}
         """The other written modules (layerwise buffers + first-load processing), each with why."""
+        self.reloaded: list[str] = []
+        """The modules each window hands to vLLM's layerwise reload (``layerwise.reloaded_modules``)."""
         self.held = HeldVersions()
         """Which version each weight group holds: torn or not, and the last complete version."""
         self.plan_dir = ""
@@ -237,6 +239,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
                                         modes={k: r.mode for k, r in kinds.items()})
         self.direct = sorted(m for m, why in direct.items() if not why)
         self.not_direct = {m: why for m, why in direct.items() if why}
+        self.reloaded = reloaded_modules(self.model, self.plan, self.direct, aliases)
         self.applier = LayerApplier(self.model, self.plan, direct=self.direct)
         self.held.set_groups(g.name for g in self.plan.groups)  # a re-init keeps what each group holds
         self.plan_dir = init_info.plan_dir
@@ -249,6 +252,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
             "plan_bytes": self.plan.nbytes, "unneeded": len(self.plan.unneeded),
             "processing": {k: r.to_dict() for k, r in kinds.items()},
             "direct_modules": len(self.direct), "general_modules": len(self.not_direct),
+            "reloaded_modules": len(self.reloaded), "modules": sum(1 for _ in self.model.modules()),
             "not_direct": _why_not(self.not_direct),
             "tied": {m: {n: ".".join(p) for n, p in hits.items()} for m, hits in aliases.items()}})
         self._write_status({"op": "init", "missing_groups": []})
@@ -290,9 +294,9 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         if self._started:
             raise SyncError(f"rank {self.rank}: start_weight_update called twice without finish_weight_update")
         self.applier.begin()
-        self.processor.begin()  # exact live tensor slots, and vLLM's per-layer processing -> first-load replay
+        self.processor.begin(self.reloaded)  # exact live tensor slots, vLLM's per-layer processing -> first-load replay
         try:
-            begin_reload(self.model, self.direct)  # direct modules keep their live tensors
+            begin_reload(self.model, self.reloaded)  # the others (direct or not written) keep their live tensors
         except BaseException:
             self.processor.end()
             raise
