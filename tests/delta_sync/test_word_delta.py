@@ -133,8 +133,12 @@ def test_history_and_held_copy_fold_hashes_across_versions(monkeypatch: pytest.M
 _INTERPRETED = r"""
 import torch
 from shardsync.kernels import word_delta
+from shardsync.kernels import word_hash as wh
 from shardsync.kernels.word_hash import fold, word_hash
 g = torch.Generator().manual_seed(0)
+for n in (1, 5, wh._BLOCK, 3 * wh._BLOCK + 5):  # the word hash's own kernel (terms) against its torch path
+    words = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, generator=g)
+    assert wh._words_triton(words) == (wh._words_torch(words) & wh._M), n
 for words in (0, 1, 1023, 1024, 1025, 3 * 1024 + 7):
     for changes in (0, 1, 37, 900):
         old = torch.randint(0, 256, (8 * words,), dtype=torch.uint8, generator=g)

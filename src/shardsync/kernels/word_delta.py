@@ -113,7 +113,7 @@ _lock = threading.Lock()
 
 
 def _triton():
-    from . import word_delta_triton as k  # imports triton: only where the kernels may run
+    from . import word_triton as k  # imports triton: only where the kernels may run
 
     return k.count, k.compact, k.change
 

@@ -116,33 +116,14 @@ def _words_torch(words: torch.Tensor) -> int:
     return total
 
 
-_kernel = None
 _kernel_ok: dict[int, bool] = {}
 _lock = threading.Lock()
 
 
 def _triton():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
+    from .word_triton import terms  # imports triton: only where the kernel may run
 
-        @triton.jit
-        def k(w_ptr, out_ptr, nwords, g, c1, c2, BLOCK: tl.constexpr):
-            pid = tl.program_id(0)
-            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < nwords
-            w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
-            x = w ^ ((offs + 1).to(tl.uint64) * g)
-            x = x * c1
-            x = x ^ (x >> 32)
-            x = x * c2
-            x = x ^ (x >> 29)
-            x = tl.where(mask, x, tl.zeros_like(x))
-            tl.store(out_ptr + pid, tl.sum(x, axis=0).to(tl.int64, bitcast=True))
-
-        _kernel = k
-    return _kernel
+    return terms
 
 
 def _words_triton(words: torch.Tensor) -> int:

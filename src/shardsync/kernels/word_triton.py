@@ -1,9 +1,11 @@
-"""The Triton kernels of ``kernels/word_delta.py`` (imported only where they may run: it imports triton).
+"""The Triton kernels of the word hash (``kernels/word_hash.py``) and of the changed-word passes
+(``kernels/word_delta.py``); imported only where they may run (it imports triton). One mixing function, ``_mixed``,
+serves all of them: a 64-bit word's hash term at its 1-based position.
 
-``count``: per block of 64-bit words, the changed 16-bit words and the word hash terms' change; ``compact``: the
-changed words' indices and new values at each block's offset; ``change``: what writing values at a sorted index list would
-do to the terms of the 64-bit words it touches (nothing is written), and how many indices break the order or the
-range. Their contract is ``word_delta``'s torch path.
+``terms``: per block of 64-bit words, the sum of their hash terms; ``count``: per block, the changed 16-bit words and
+the hash terms' change; ``compact``: the changed words' indices and new values at each block's offset; ``change``:
+what writing values at a sorted index list would do to the terms of the 64-bit words it touches (nothing is written),
+and how many indices break the order or the range. Their contract is the torch path of each module.
 """
 
 import triton
@@ -16,6 +18,16 @@ def _mixed(w, pos1, g, c1, c2):
     x = x ^ (x >> 32)
     x = x * c2
     return x ^ (x >> 29)
+
+
+@triton.jit
+def terms(w_ptr, out_ptr, nwords, g, c1, c2, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < nwords
+    w = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
+    x = tl.where(mask, _mixed(w, offs + 1, g, c1, c2), tl.zeros_like(w))
+    tl.store(out_ptr + pid, tl.sum(x, axis=0).to(tl.int64, bitcast=True))
 
 
 @triton.jit
