@@ -158,14 +158,13 @@ class FreshProcessor:
         self._inputs: dict[tuple[str, str], torch.Tensor] = {}
         self.open = False
 
-    def begin(self, modules: Sequence[str] | None = None) -> None:
+    def begin(self, modules: Sequence[str]) -> None:
         """Before vLLM's ``initialize_layerwise_reload``: snapshot the exact tensor slots of ``modules`` (the ones
-        handed to vLLM's reload; None: every module) and route those layers to :meth:`process`."""
+        handed to vLLM's reload, ``layerwise.reloaded_modules``) and route those layers to :meth:`process`."""
         if self.open:
             raise SyncError("an update window is already open on this engine")
         vllm_layerwise_process()
-        mods = self.model.modules() if modules is None else (self.model.get_submodule(n) for n in modules)
-        self.live = {m: TensorSnapshot.of(m) for m in mods}
+        self.live = {m: TensorSnapshot.of(m) for m in map(self.model.get_submodule, modules)}
         self.rebound.clear()
         self.done.clear()
         self.processed = []
