@@ -160,11 +160,11 @@ def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
     u = units["g"][0]
     region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
     s.begin(1)
-    assert s.offer(u, "g", region, area, 8192) is None  # no base: dense only
+    assert s.offer("g", [(u, region, None)], area, 8192)[0] is None  # no base: dense only
     s.commit(1)
     s.begin(2)
     region[10] = 7
-    entry = s.offer(u, "g", region, area, 8192)
+    entry = s.offer("g", [(u, region, None)], area, 8192)[0]
     assert entry is not None and entry[:5] == [0, 8192, 1, 1, 1]  # pairs, one word, against version 1
     s.rollback()  # version 2 failed: version 1 stays the base, byte for byte
     assert s.history.version(("d", "g", 0)) == 1 and int(s.history.held(("d", "g", 0)).sum()) == 0
@@ -182,17 +182,96 @@ def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_t
     u = units["g"][0]
     region, area = torch.zeros(4096, dtype=torch.uint8), torch.full((64,), 9, dtype=torch.uint8)
     s.begin(1)
-    s.offer(u, "g", region, area, 8192)
+    s.offer("g", [(u, region, None)], area, 8192)[0]
     s.commit(1)
     s.begin(2)
     region[0:400:2] = 1  # 200 changed words: a 1,200-byte pairs payload, more than the 64 bytes left
-    assert s.offer(u, "g", region, area, 8192) is None
+    assert s.offer("g", [(u, region, None)], area, 8192)[0] is None
     assert s.stats()["delta_too_large"] == 1 and int(area.sum()) == 9 * 64  # the area was not written
     s.commit(2)
     s.begin(3)
     region[1000] = 5  # one more word: fits
-    entry = s.offer(u, "g", region, area, 8192)
+    entry = s.offer("g", [(u, region, None)], area, 8192)[0]
     assert entry is not None and entry[4] == 2 and entry_payload_bytes(entry, 4096) == 6  # against version 2's bytes
+
+
+def test_a_groups_chunks_are_offered_together_their_payloads_one_after_another() -> None:
+    """``DeltaSender.offer`` takes a group's chunks at once (one host sync for all on a GPU): each delta's payload
+    follows the last one in the slot's area at an aligned offset, a chunk without changes left to send is an empty
+    delta, and a payload that no longer fits goes dense while a later smaller one still fits."""
+    from shardsync.delta.sender import DeltaSender, entry_payload_bytes
+    from shardsync.plan.pack import ALIGN
+
+    c = [Chunk(index=i, start=4096 * i, nbytes=4096, first=i, stop=i + 1) for i in range(4)]
+    units = {"g": [SimpleNamespace(digest="d", chunk=x) for x in c]}
+    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
+    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in c]
+    area = torch.full((256,), 9, dtype=torch.uint8)
+    s.begin(1)
+    assert s.offer("g", [(u, r, None) for u, r in zip(units["g"], regions)], area, 8192) == [None] * 4
+    s.commit(1)
+    s.begin(2)
+    regions[0][0:20:2] = 1    # 10 words: 60 bytes of pairs
+    regions[1][0:200:2] = 1   # 100 words: 600 bytes, more than what is left of the area
+    regions[3][0:6:2] = 1     # 3 words: 18 bytes, fits after chunk 0's
+    got = s.offer("g", [(u, r, None) for u, r in zip(units["g"], regions)], area, 8192)
+    assert got[1] is None and [e[0] for e in (got[0], got[2], got[3])] == [0, 2, 3]
+    assert [e[3] for e in (got[0], got[2], got[3])] == [10, 0, 3]  # chunk 2 unchanged: an empty delta
+    assert got[0][1] == 8192 and entry_payload_bytes(got[0], 4096) == 60
+    assert got[3][1] == 8192 + ALIGN and entry_payload_bytes(got[3], 4096) == 18
+    assert torch.equal(area[:40].view(torch.int32), torch.arange(0, 10, dtype=torch.int32))  # pairs: indices first
+    assert s.stats()["delta_too_large"] == 1 and s.stats()["delta_offered"] == 3
+    s.commit(2)
+    for u, r in zip(units["g"], regions):  # every chunk's base is this version's bytes, offered or not
+        assert torch.equal(s.history.held(("d", "g", u.chunk.index)), r)
+
+
+def test_a_groups_deltas_are_read_side_by_side_and_checked_together_each_healing_alone() -> None:
+    """``read_held``: the payloads a producer placed one after another in its delta area come in one read, are
+    checked and applied together; a chunk whose delta fails its checksum is read dense alone (the others stay
+    deltas), and the held copy ends equal to the producer's bytes."""
+    from shardsync.delta.receiver import read_held
+    from shardsync.delta.sender import DeltaSender
+
+    c = [Chunk(index=i, start=4096 * i, nbytes=4096, first=i, stop=i + 1) for i in range(4)]
+    lay = GroupLayout(group="g", offsets=tuple(x.start for x in c), chunks=tuple(c), nbytes=4 * 4096)
+    units = {"g": [SimpleNamespace(digest="d", chunk=x) for x in c]}
+    ring = torch.zeros(4 * 4096 + 4096, dtype=torch.uint8)  # the dense chunks, then the slot's delta area
+    dense, area = ring[: 4 * 4096], ring[4 * 4096:]
+    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
+    held = HeldChunks({"g": lay}, device=torch.device("cpu"))
+    reads: list = []
+
+    def fetch(off, n, dst, payload=False):
+        reads.append((off, n, payload))
+        dst.copy_(ring[off: off + n])
+
+    def sync(v, bad=()):
+        s.begin(v)
+        entries = s.offer("g", [(u, dense[4096 * i: 4096 * (i + 1)], None) for i, u in enumerate(units["g"])],
+                          area, 4 * 4096)
+        s.commit(v)
+        deltas = [[*e[:5], e[5] ^ (1 if e[0] in bad else 0), e[6]] for e in entries if e is not None]
+        ready = SimpleNamespace(group="g", version=v, chunks=[[i, 4096 * i, 4096, -1] for i in range(4)],
+                                deltas=deltas)
+        reads.clear()
+        held.begin()
+        read_held(held, 0, ready, [(i, c[i], 4096 * i, 4096, -1, None) for i in range(4)], fetch=fetch,
+                  verify=lambda *a, **k: None, where="t")
+        held.commit(v)
+        return dict(held.counts)
+
+    g = torch.Generator().manual_seed(0)
+    dense.copy_(torch.randint(0, 256, (4 * 4096,), dtype=torch.uint8, generator=g))
+    assert sync(1)["delta_dense_chunks"] == 4
+    dense[torch.randint(0, 4 * 4096, (40,), generator=g)] ^= 1
+    got = sync(2)
+    assert got["delta_chunks"] == 4 and got["delta_heals"] == 0 and torch.equal(held.arena[: 4 * 4096], dense)
+    assert [r[2] for r in reads] == [True]  # four payloads side by side: one read
+    dense[torch.randint(0, 4 * 4096, (40,), generator=g)] ^= 1
+    got = sync(3, bad={1})  # chunk 1's checksum does not match: it alone is read dense
+    assert got["delta_chunks"] == 3 and got["delta_heals"] == 1 and got["delta_dense_chunks"] == 1, got
+    assert torch.equal(held.arena[: 4 * 4096], dense) and [r[1] for r in reads if not r[2]] == [4096]
 
 
 def test_a_delta_offer_that_cannot_be_read_heals_to_dense_not_a_lost_producer() -> None:
@@ -238,11 +317,11 @@ def test_a_host_history_beside_a_ring_keeps_its_bases_in_host_memory_and_encodes
     for s in (here, host):
         region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(1024, dtype=torch.uint8)
         s.begin(1)
-        s.offer(units["g"][0], "g", region, area, 8192)
+        s.offer("g", [(units["g"][0], region, None)], area, 8192)[0]
         s.commit(1)
         s.begin(2)
         region[100] = 3
-        entries.append(s.offer(units["g"][0], "g", region, area, 8192))
+        entries.append(s.offer("g", [(units["g"][0], region, None)], area, 8192)[0])
         s.commit(2)
     assert entries[0] == entries[1] and entries[0] is not None
     assert host.history.device.type == "cpu" and host.stats()["delta_history_device"].startswith("cpu")

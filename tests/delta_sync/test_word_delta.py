@@ -139,13 +139,15 @@ g = torch.Generator().manual_seed(0)
 for n in (1, 5, wh._BLOCK, 3 * wh._BLOCK + 5):  # the word hash's own kernel (terms) against its torch path
     words = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, generator=g)
     assert wh._words_triton(words) == (wh._words_torch(words) & wh._M), n
+batch = []
 for words in (0, 1, 1023, 1024, 1025, 3 * 1024 + 7):
     for changes in (0, 1, 37, 900):
         old = torch.randint(0, 256, (8 * words,), dtype=torch.uint8, generator=g)
         new = old.clone()
         if words and changes:
             new[torch.randint(0, 8 * words, (changes,), generator=g)] ^= 3
-        a, b = word_delta._changes_triton(new, old), word_delta._changes_torch(new, old)
+        batch.append((new, old))
+        a, b = word_delta._changes_triton([(new, old)])[0], word_delta._changes_torch(new, old)
         assert torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
         assert fold(word_hash(old), new.numel(), a.hash_delta) == word_hash(new)
         if words:
@@ -155,6 +157,9 @@ for words in (0, 1, 1023, 1024, 1025, 3 * 1024 + 7):
             assert word_delta._change_triton(old, a.idx.to(torch.int32), a.vals) == want
             if a.idx.numel() > 1:
                 assert word_delta._change_triton(old, a.idx.flip(0), a.vals)[0] is False
+for a, (new, old) in zip(word_delta._changes_triton(batch), batch):  # a group's chunks: one host sync for all
+    b = word_delta._changes_torch(new, old)
+    assert torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
 print("kernels agree")
 """
 

@@ -73,6 +73,11 @@ def _run(p, th, err, zoos, versions):
     _start(zoos)
     th.join(30)
     assert not err, err
+    return _syncs(p, zoos, versions)
+
+
+def _syncs(p, zoos, versions):
+    """Sync ``versions`` in turn, each one complete and exact on every consumer; the stats of each."""
     out = []
     for v in versions:
         stats, errs = _sync(p, zoos, v)
@@ -124,10 +129,16 @@ def test_the_ring_is_released_while_every_group_is_read_in_place_and_comes_back_
     zoos = [_Zoo(p.address, "r0/tp0", tp=2, rank=0, transport="loopback", direct_reads=True),
             _Zoo(p.address, "r0/tp1", tp=2, rank=1, transport="loopback", direct_reads=True)]
     try:
-        runs = _run(p, th, err, zoos, (1, 2, 3))
+        transport = p.transport
+        runs = _run(p, th, err, zoos, (1, 2))
+        opened = [z.c.sources.opened for z in zoos]
+        assert min(opened) > 0
+        runs += _syncs(p, zoos, (3,))
         full, groups = sizes[0], len(p.order)
         assert full == p.layout.n_slots * p.layout.slot_bytes > 64
         assert [r[0]["ring_released"] for r in runs] == [False, True, True]
+        # the ring was swapped on the same transport: the storages it shared stay mapped, none is opened again
+        assert p.transport is transport and [z.c.sources.opened for z in zoos] == opened
         assert runs[1][0]["ring_bytes"] == runs[2][0]["ring_bytes"] == 64 == p.ring.numel() and sizes == [full, 64]
         assert runs[2][0]["source_groups"] == groups and runs[2][0]["copied_groups"] == 0
         name = next(n for n in p.source._state if "layers.1" in n)

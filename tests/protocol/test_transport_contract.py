@@ -153,6 +153,47 @@ def test_loopback_contract() -> None:
         cons.read(0, 0, 8, torch.zeros(8, dtype=torch.uint8), timeout_s=1)
 
 
+def _retire_and_replace(name: str, device: str) -> None:
+    prod, cons = _make(name), _make(name)
+    try:
+        a, b = pattern(4096).to(device), pattern(8192).flip(0).contiguous().to(device)
+        held = pattern(1000).to(device)
+        shared = prod.share(held) if prod.caps.shares_memory and (device != "cpu" or name != "auto") else None
+        first = prod.register(a)
+        cons.connect(0, first)
+        into = torch.zeros(4096, dtype=torch.uint8, device=device)
+        cons.read(0, 0, 4096, into, timeout_s=10)
+        assert torch.equal(into, a)
+        assert prod.retire(first) and not prod.retire(first)  # let go once
+        if name in ("tcp", "nccl:gloo", "loopback"):  # serving nothing until the next buffer comes: refused, typed
+            with pytest.raises(TransportError):
+                cons.read(0, 0, 64, into, timeout_s=5)
+        second = prod.register(b)
+        cons.connect(0, second)
+        into = torch.zeros(8192, dtype=torch.uint8, device=device)
+        cons.read(0, 0, 8192, into, timeout_s=10)
+        assert torch.equal(into, b)
+        if shared is not None:  # what was shared before the swap is still shared: consumers keep their mappings
+            assert torch.equal(cons.open_shared(0, shared)[:1000], held)
+    finally:
+        cons.close()
+        prod.close()
+
+
+@pytest.mark.parametrize("name", ["loopback", "tcp", "nccl:gloo", "nixl", "auto"])
+def test_a_retired_buffer_is_replaced_on_the_same_transport(name: str) -> None:
+    """``retire``: the producer swaps its registered buffer (a ring released and brought back) without closing the
+    transport; a consumer reconnects to the new descriptor and reads the new bytes."""
+    _retire_and_replace(name, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["cuda_ipc", "auto"])
+def test_a_retired_gpu_buffer_is_replaced_on_the_same_transport(name: str) -> None:
+    _retire_and_replace(name, "cuda:0")
+
+
 def test_unknown_transport_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="known: .*tcp"):
         make_transport("carrier-pigeon")

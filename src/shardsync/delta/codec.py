@@ -43,14 +43,15 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from ..errors import DeltaFormatError, DeltaMismatch
+from ..errors import DeltaError, DeltaFormatError, DeltaMismatch
 from ..kernels import word_delta
 from ..kernels.word_hash import fold
 
 __all__ = ["DENSE", "PAIRS", "BITMAP", "KINDS", "HEADER_MAX", "DeltaHeader", "Encoded", "encode", "dense",
            "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes", "word_size",
            "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words",
-           "find_changes", "encode_changes", "validate", "apply_changes", "apply_verified"]
+           "find_changes", "find_changes_many", "new_checksum", "encode_changes", "validate", "apply_changes", "apply_verified",
+           "apply_verified_many"]
 
 DENSE, PAIRS, BITMAP = "dense", "pairs", "bitmap"
 KINDS = (DENSE, PAIRS, BITMAP)
@@ -168,10 +169,21 @@ def find_changes(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, to
     """:func:`changed_words` and, for a chunk checksummed by the word hash (a GPU chunk) of whole aligned 64-bit
     words, the change of its word hash (``kernels/word_delta.py``: fused passes on CUDA, no pass over the chunk to
     hash it); else None for the hash change."""
-    if hash_for(new) == WORD and word_delta.eligible(new, old):
-        ch = word_delta.find_changes(new, old)
-        return ch.idx, ch.vals, ch.hash_delta
-    return (*changed_words(new, old), None)
+    return find_changes_many([(new, old)])[0]
+
+
+def find_changes_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor,
+                                                                                  int | None]]:
+    """:func:`find_changes` of every (new, old) pair: the word-hashed ones together (on CUDA one host sync for all
+    of them), the others one by one."""
+    fused = [i for i, (new, old) in enumerate(pairs) if hash_for(new) == WORD and word_delta.eligible(new, old)]
+    out: list = [None] * len(pairs)
+    for i, ch in zip(fused, word_delta.find_changes_many([pairs[i] for i in fused])):
+        out[i] = (ch.idx, ch.vals, ch.hash_delta)
+    for i, (new, old) in enumerate(pairs):
+        if out[i] is None:
+            out[i] = (*changed_words(new, old), None)
+    return out
 
 
 def _buffer(out: torch.Tensor | None, size: int, like: torch.Tensor) -> torch.Tensor:
@@ -222,10 +234,7 @@ def encode_changes(new: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, *, 
     n = new.numel()
     k = idx.numel()
     kind = choose(n, k)
-    if checksum is True and base_hash is not None and hash_delta is not None and hash_for(new) == WORD:
-        csum, algo = fold(base_hash, n, hash_delta), WORD
-    else:
-        csum, algo = _csum(new, checksum)
+    csum, algo = new_checksum(new, checksum, base_hash=base_hash, hash_delta=hash_delta)
     if kind == DENSE:
         enc = dense(new, out=out)
         return Encoded(DeltaHeader(kind=DENSE, nbytes=n, count=enc.header.count, checksum=csum, hash=algo),
@@ -402,26 +411,60 @@ def apply_verified(dst: torch.Tensor, enc: Encoded, *, base: int | None = None, 
     hash into the one the bytes would have, which must be the header's (a pairs payload's order and range are
     checked in the same kernel). Raises as ``decode_`` / ``verify``; after a ``DeltaMismatch`` from the full check
     (no held hash) ``dst`` holds the wrong bytes (read it dense), after one from the fold it is untouched."""
-    h = enc.header
-    if not (h.kind != DENSE and h.hash == WORD and h.checksum is not None and held_hash is not None
-            and word_delta.eligible(dst)):
-        decode_(dst, enc, base=base, where=where)
-        verify(dst, h, where=where)
-        return h.checksum
-    at = where or "chunk"
-    if h.kind == PAIRS:
-        idx, vals = _pairs(enc.payload, h.count, _checked_payload(dst, enc, base, at), torch.int16)
-    else:
-        idx, vals = validate(dst, enc, base, where)
-    ok, change = word_delta.change_terms(dst, idx, vals)
-    if not ok:
-        raise DeltaFormatError(f"{at}: pairs indices must be strictly increasing within 0..{dst.numel() // 2 - 1}",
-                               field="indices")
-    if fold(held_hash, dst.numel(), change) != h.checksum:  # checked before a byte is written
-        raise DeltaMismatch(f"{at}: the {h.kind} delta applied to the held bytes would not match the producer's "
-                            f"checksum {h.checksum:#018x}; nothing was written")
-    apply_changes(dst, idx.long(), vals)
-    return h.checksum
+    got = apply_verified_many([(dst, enc, base, held_hash, where)])[0]
+    if isinstance(got, DeltaError):
+        raise got
+    return got
+
+
+def apply_verified_many(items: list[tuple[torch.Tensor, Encoded, int | None, int | None, str]]
+                        ) -> list[int | None | DeltaError]:
+    """:func:`apply_verified` of every ``(dst, enc, base, held_hash, where)`` (a group's chunks): the fused checks
+    of all of them queued before one host sync. Per item, the checksum its ``dst`` now has, or the ``DeltaError``
+    it raised (nothing written where the fused check refused it; each item stands alone)."""
+    out: list[int | None | DeltaError] = [None] * len(items)
+    fused = []
+    for i, (dst, enc, base, held_hash, where) in enumerate(items):
+        h = enc.header
+        try:
+            if not (h.kind != DENSE and h.hash == WORD and h.checksum is not None and held_hash is not None
+                    and word_delta.eligible(dst)):
+                decode_(dst, enc, base=base, where=where)
+                verify(dst, h, where=where)
+                out[i] = h.checksum
+                continue
+            if h.kind == PAIRS:
+                idx, vals = _pairs(enc.payload, h.count, _checked_payload(dst, enc, base, where or "chunk"),
+                                   torch.int16)
+            else:
+                idx, vals = validate(dst, enc, base, where)
+        except DeltaError as e:
+            out[i] = e
+            continue
+        fused.append((i, idx, vals))
+    terms = word_delta.change_terms_many([(items[i][0], idx, vals) for i, idx, vals in fused])
+    for (i, idx, vals), (ok, change) in zip(fused, terms):
+        dst, enc, _, held_hash, where = items[i]
+        h, at = enc.header, where or "chunk"
+        if not ok:
+            out[i] = DeltaFormatError(f"{at}: pairs indices must be strictly increasing within "
+                                      f"0..{dst.numel() // 2 - 1}", field="indices")
+        elif fold(held_hash, dst.numel(), change) != h.checksum:  # checked before a byte is written
+            out[i] = DeltaMismatch(f"{at}: the {h.kind} delta applied to the held bytes would not match the "
+                                   f"producer's checksum {h.checksum:#018x}; nothing was written")
+        else:
+            apply_changes(dst, idx.long(), vals)
+            out[i] = h.checksum
+    return out
+
+
+def new_checksum(new: torch.Tensor, checksum: bool | int, *, base_hash: int | None = None,
+                 hash_delta: int | None = None) -> tuple[int | None, int]:
+    """The header's checksum of ``new`` and its hash, as for :func:`encode_changes`: folded from the base's word
+    hash and the changes' (no pass over the chunk) where both are known, else as ``_csum``."""
+    if checksum is True and base_hash is not None and hash_delta is not None and hash_for(new) == WORD:
+        return fold(base_hash, new.numel(), hash_delta), WORD
+    return _csum(new, checksum)
 
 
 def _csum(new: torch.Tensor, checksum: bool | int) -> tuple[int | None, int]:

@@ -189,38 +189,67 @@ class DeltaHistory:
 
     # ------------------------------------------------------------------------------------------- use
     def encode(self, key: Key, new: torch.Tensor, *, checksum: bool | int = False,
-               out: torch.Tensor | None = None, max_payload: int | None = None) -> codec.Encoded:
+               out: torch.Tensor | None = None) -> codec.Encoded:
         """Producer: ``new`` (this version's packed chunk, on any device) as the smallest form against the stored
         base (dense without one); the base becomes ``new`` (undone by ``rollback``). ``checksum``: as for
-        ``codec.encode`` (an int: ``new``'s xxh3-64, computed by the caller). ``max_payload``: a delta whose payload
-        would be larger is given as dense instead (``out`` is then not written)."""
-        dst = self._touch(key)
-        if new.numel() != dst.numel():
-            raise DeltaError(f"chunk {key}: {new.numel()} bytes packed, {dst.numel()} registered")
-        base = self._version[key]
-        if base is None:
-            enc = codec.dense(new, out=out, checksum=checksum)
-            self._log(key, dst, None)
-            dst.copy_(new)
+        ``codec.encode`` (an int: ``new``'s xxh3-64, computed by the caller). ``out``: where a delta's payload goes
+        (one that does not fit is given as dense); a dense chunk's payload is ``new`` itself."""
+        return self.encode_many([(key, new, checksum)], area=out)[0][0]
+
+    def encode_many(self, items: list[tuple[Key, torch.Tensor, bool | int]], *,
+                    area: torch.Tensor | None = None) -> list[tuple[codec.Encoded, int | None]]:
+        """:meth:`encode` of every ``(key, new, checksum)`` of ``items`` (a group's chunks), their changes found
+        together: on CUDA one host sync for all of them, not one per chunk. ``area``: where the deltas' payloads
+        go, one after the other at ``ALIGN``-ed offsets; a delta whose payload does not fit in what is left is given
+        as dense, writing nothing there. Without ``area`` each payload is a new tensor. Returns per chunk its
+        encoding and where in ``area`` its payload starts (None: dense, or no area)."""
+        rows = []
+        if len({key for key, _, _ in items}) != len(items):
+            raise DeltaError("a chunk appears twice in one encode (encode once, serve the result to every consumer)")
+        for key, new, cs in items:
+            dst = self._touch(key)
+            if new.numel() != dst.numel():
+                raise DeltaError(f"chunk {key}: {new.numel()} bytes packed, {dst.numel()} registered")
+            rows.append((key, new, cs, dst, self._version[key]))
+        todo = [i for i, r in enumerate(rows) if r[4] is not None]
+        here = [i for i in todo if rows[i][1].device == rows[i][3].device]
+        found = dict(zip(here, codec.find_changes_many([(rows[i][1], rows[i][3]) for i in here])))
+        for i in todo:  # a host history beside device chunks: each base through the one scratch buffer in turn
+            if i not in found:
+                new, dst = rows[i][1], rows[i][3]
+                found[i] = codec.find_changes(new, self._scratch_for(new.device, dst.numel()).copy_(dst))
+        out, pos = [], 0
+        for i, (key, new, cs, dst, base) in enumerate(rows):
+            n = new.numel()
+            at = None
+            if base is None:
+                enc = codec.dense(new, checksum=cs)
+            else:
+                idx, vals, hdelta = found[i]
+                k = idx.numel()
+                kind = codec.choose(n, k)
+                size = codec.payload_nbytes(kind, n, k)
+                at = pos if area is not None else None
+                if kind != codec.DENSE and (area is None or pos + size <= area.numel()):
+                    enc = codec.encode_changes(new, idx, vals, base=base, checksum=cs,
+                                               out=None if area is None else area[pos: pos + size],
+                                               base_hash=self._hashes.get(key), hash_delta=hdelta)
+                    pos = _align(pos + size)
+                else:  # dense, or a delta with no room left: the dense bytes (its checksum folded all the same)
+                    at = None
+                    csum, algo = codec.new_checksum(new, cs, base_hash=self._hashes.get(key), hash_delta=hdelta)
+                    enc = codec.Encoded(codec.DeltaHeader(kind=codec.DENSE, nbytes=n, count=n // codec.word_size(n),
+                                                          checksum=csum, hash=algo), new, k)
             self._keep_hash(key, enc.header)
-            return enc
-        old = dst if new.device == dst.device else self._scratch_for(new.device, dst.numel()).copy_(dst)
-        idx, vals, hdelta = codec.find_changes(new, old)
-        k = idx.numel()
-        if max_payload is not None and codec.payload_nbytes(codec.choose(new.numel(), k), new.numel(), k) > max_payload:
-            enc = codec.Encoded(codec.dense(new).header, new, k)  # does not fit: dense (nobody checks it)
-        else:
-            enc = codec.encode_changes(new, idx, vals, base=base, out=out, checksum=checksum,
-                                       base_hash=self._hashes.get(key), hash_delta=hdelta)
-        self._keep_hash(key, enc.header)
-        if enc.header.kind == codec.DENSE:
-            self._log(key, dst, None)
-            dst.copy_(new)
-        else:
-            idx, vals = idx.to(dst.device), vals.to(dst.device)
-            self._log(key, dst, idx)
-            codec.apply_changes(dst, idx, vals)
-        return enc
+            if enc.header.kind == codec.DENSE:
+                self._log(key, dst, None)
+                dst.copy_(new)
+            else:
+                idx, vals = found[i][0].to(dst.device), found[i][1].to(dst.device)
+                self._log(key, dst, idx)
+                codec.apply_changes(dst, idx, vals)
+            out.append((enc, at))
+        return out
 
     def _keep_hash(self, key: Key, h: codec.DeltaHeader) -> None:
         if h.hash == codec.WORD and h.checksum is not None:

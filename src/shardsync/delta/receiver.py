@@ -21,7 +21,7 @@ a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -169,6 +169,10 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     """Producer ``p``'s chunks of ``ready.group`` into the held copy, each as a delta where one applies to the
     version held, else dense; returns the bytes read (the wire bytes).
 
+    The group's deltas go together: their payloads into the staging buffer one after the other (payloads the
+    producer placed side by side in one read), then every check queued before one host sync
+    (``codec.apply_verified_many``) — as many at a time as the staging buffer holds.
+
     ``announced``: the reader's checked chunks of ``ready`` (index, layout entry, offset, bytes, checksum, tag);
     ``fetch(offset, nbytes, dst, payload=False)``: read bytes of producer ``p``'s buffer (its errors are the reader's
     to type; with ``payload``, a delta's: a ``DeltaError`` where it cannot be read, healed with the dense bytes);
@@ -178,34 +182,105 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     offers, rejected = parse_offers(ready, held.layouts[group], where=where)
     held.count(delta_rejected=rejected, delta_heals=rejected)
     got = 0
+    deltas: list[_Delta] = []
+    dense: list[tuple] = []
     for ci, _, off, n, checksum, tag in announced:
-        dst = held.view(group, ci)
+        row = (ci, off, n, checksum, tag, held.view(group, ci))
         have, have_hash = held.touch(group, ci)
         offer = offers.get(ci)
         if offer is not None and have is not None and offer[1].base == have:
-            d_off, h = offer
-            size = codec.payload_nbytes(h.kind, n, h.count)
-            buf = held.staging(p)[:size]
-            got += size
-            try:
-                if size:
-                    fetch(d_off, size, buf, payload=True)  # a DeltaError where the offer cannot be read
-                # validated, applied, the held bytes hash to h.checksum (folded from the held hash where known)
-                try:
-                    codec.apply_verified(dst, codec.Encoded(h, buf), base=have, held_hash=have_hash,
-                                         where=f"{where}, chunk {ci}")
-                finally:
-                    held.staged(p)
-                # its own checksum / keyed tag (the xxh3 just computed is not computed twice)
-                verify(dst, checksum, tag, group, ci, hashed=h.checksum if h.hash == codec.XXH3 else None)
-                held.written(group, ci, h.checksum if h.hash == codec.WORD else None)
-                held.count(delta_chunks=1, delta_payload_bytes=size)
-                continue
-            except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones
-                held.count(delta_heals=1)
+            deltas.append(_Delta(row, have, have_hash, offer[0], offer[1],
+                                 codec.payload_nbytes(offer[1].kind, n, offer[1].count)))
+        else:
+            dense.append(row)
+    for runs in _batches(deltas, held.largest):
+        got += sum(d.size for run in runs for d in run[2])
+        dense += _apply_deltas(held, p, group, runs, fetch, verify, where)
+    for ci, off, n, checksum, tag, dst in dense:
         fetch(off, n, dst)
         verify(dst, checksum, tag, group, ci)
         held.count(delta_dense_chunks=1, delta_dense_bytes=n)
         got += n
     held.settle(p)  # the deltas' writes have landed before the group is applied (on the applier's stream)
     return got
+
+
+class _Delta(NamedTuple):
+    row: tuple
+    """(chunk index, dense offset, bytes, checksum, tag, held bytes): what a dense read of it takes."""
+    have: int
+    have_hash: int | None
+    offset: int
+    header: codec.DeltaHeader
+    size: int
+    """The payload's bytes."""
+
+
+Run = tuple[int, int, list]
+"""(producer offset, staging offset, the deltas whose payloads it holds: side by side at the producer)."""
+
+
+def _batches(deltas: list[_Delta], room: int) -> Iterator[list[Run]]:
+    """The deltas in batches whose payloads fit the ``room`` bytes of a staging buffer together (a payload is never
+    larger than its chunk, the buffer the largest chunk): each batch a list of runs, one read each — payloads the
+    producer placed one after the other (less than ``ALIGN`` apart) share a run."""
+    runs: list[Run] = []
+    end = 0  # staging bytes the batch uses
+    for d in deltas:
+        if runs:
+            off, at, ds = runs[-1]
+            last = ds[-1]
+            gap = d.offset - (last.offset + last.size)
+            if 0 <= gap < ALIGN and at + d.offset + d.size - off <= room:
+                ds.append(d)
+                end = at + d.offset + d.size - off
+                continue
+        start = (end + ALIGN - 1) // ALIGN * ALIGN
+        if runs and start + d.size > room:
+            yield runs
+            runs, start = [], 0
+        runs.append((d.offset, start, [d]))
+        end = start + d.size
+    if runs:
+        yield runs
+
+
+def _apply_deltas(held: HeldChunks, p: int, group: str, runs: list[Run], fetch: Fetch, verify: Verify,
+                  where: str) -> list[tuple]:
+    """One batch: its payloads read into producer ``p``'s staging buffer, checked together and applied to the held
+    copy (each validated, the held bytes hashing to the producer's checksum, before a byte is written where the
+    fold applies). Returns the rows of the chunks to read dense instead (``delta_heals``)."""
+    stage = held.staging(p)
+    heal: list[tuple] = []
+    items, taken = [], []
+    for off, at, ds in runs:
+        span = ds[-1].offset + ds[-1].size - off
+        try:
+            if span:
+                fetch(off, span, stage[at: at + span], payload=True)  # a DeltaError where the offer cannot be read
+        except DeltaError:
+            heal += [d.row for d in ds]
+            continue
+        for d in ds:
+            pos = at + d.offset - off
+            items.append((d.row[5], codec.Encoded(d.header, stage[pos: pos + d.size]), d.have, d.have_hash,
+                          f"{where}, chunk {d.row[0]}"))
+            taken.append(d)
+    try:
+        results = codec.apply_verified_many(items)
+    finally:
+        held.staged(p)
+    for d, res in zip(taken, results):
+        ci, _, _, checksum, tag, dst = d.row
+        try:
+            if isinstance(res, DeltaError):
+                raise res
+            # its own checksum / keyed tag (the xxh3 just computed is not computed twice)
+            verify(dst, checksum, tag, group, ci, hashed=res if d.header.hash == codec.XXH3 else None)
+        except (DeltaError, ChecksumError):  # not the producer's bytes: self-heal with the dense ones
+            heal.append(d.row)
+            continue
+        held.written(group, ci, res if d.header.hash == codec.WORD else None)
+        held.count(delta_chunks=1, delta_payload_bytes=d.size)
+    held.count(delta_heals=len(heal))
+    return heal

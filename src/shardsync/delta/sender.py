@@ -9,9 +9,9 @@ chunk once, plus its undo journal, together ``delta_budget_bytes``; default the 
 at the first chunk some member may read as a delta) and the delta areas (a quarter of the dense ring).
 
 Per version (``ProducerSync``): ``begin`` before the first pack; after a unit is packed (on the publisher, after
-the pack's event: its one host sync per chunk is not on the serving thread) :meth:`offer` encodes it and, where the
-history held a base and a delta is smaller than dense, writes the payload into the delta area and returns the wire
-entry for ``Ready.deltas``; ``commit`` when the version completed, ``rollback`` when it failed (a failed version
+the pack's event: its host syncs are not on the serving thread) :meth:`offer` encodes its chunks together and,
+where the history held a base and a delta is smaller than dense, writes each payload into the delta area and returns
+the wire entry for ``Ready.deltas``; ``commit`` when the version completed, ``rollback`` when it failed (a failed version
 never becomes a base). The dense bytes stay in the ring: each consumer chooses (``receiver.py``).
 
 Wire entry (``Ready.deltas``, one per chunk offered as a delta, at most one per announced chunk)::
@@ -106,32 +106,40 @@ class DeltaSender:
         if self._history is not None:
             self._history.invalidate([(unit.digest, group, unit.chunk.index)])
 
-    def offer(self, unit: Any, group: str, region: torch.Tensor, area: torch.Tensor,
-              offset: int, known_checksum: int | None = None) -> list[int] | None:
-        """Encode ``region`` (the unit's packed chunk) against the history; a delta's payload goes to ``area``
-        (what is left of the slot's delta area, at ``offset`` in the registered buffer). Returns the
-        ``Ready.deltas`` entry, or None (no base, dense is no larger, or the payload does not fit in ``area``):
-        consumers then read the dense bytes. ``known_checksum``: the
+    def offer(self, group: str, chunks: list[tuple[Any, torch.Tensor, int | None]], area: torch.Tensor,
+              offset: int) -> list[list[int] | None]:
+        """Encode a group's packed chunks — ``(unit, region, known_checksum)`` each — against the history, together
+        (on a GPU one host sync for all their change counts and one for their payloads, not two per chunk). The
+        deltas' payloads go one after the other into ``area`` (the slot's delta area, at ``offset`` in the registered
+        buffer). Returns per chunk its ``Ready.deltas`` entry, or None (no base, dense is no larger, or the payload
+        does not fit in what is left of ``area``): consumers then read the dense bytes. ``known_checksum``: the
         region's xxh3-64 where the caller computed it for the chunk (hashed once, not twice; on a GPU the word hash
         is computed instead, where the chunk lies)."""
-        key = (unit.digest, group, unit.chunk.index)
-        base = self.history.version(key)
-        reuse = known_checksum is not None and codec.hash_for(region) == codec.XXH3
-        want = (known_checksum if reuse else True) if base is not None else False
-        enc = self.history.encode(key, region, checksum=want, out=area if base is not None else None,
-                                  max_payload=area.numel())
-        h = enc.header
-        if h.kind == codec.DENSE:
-            self.dense += 1
-            self.too_large += base is not None and enc.changed is not None and \
-                codec.choose(region.numel(), enc.changed) != codec.DENSE
-            return None
-        if area.is_cuda:  # the payload's writes must land before the Ready goes out (readers copy on their streams)
+        hist = self.history
+        items, bases = [], []
+        for unit, region, known in chunks:
+            key = (unit.digest, group, unit.chunk.index)
+            base = hist.version(key)
+            reuse = known is not None and codec.hash_for(region) == codec.XXH3
+            items.append((key, region, (known if reuse else True) if base is not None else False))
+            bases.append(base)
+        encs = hist.encode_many(items, area=area)
+        out: list[list[int] | None] = []
+        for (unit, region, _), base, (enc, at) in zip(chunks, bases, encs):
+            h = enc.header
+            if h.kind == codec.DENSE:
+                self.dense += 1
+                self.too_large += base is not None and enc.changed is not None and \
+                    codec.choose(region.numel(), enc.changed) != codec.DENSE
+                out.append(None)
+                continue
+            self.offered += 1
+            self.payload_bytes += enc.payload.numel()
+            assert h.base == base and h.checksum is not None and at is not None
+            out.append([unit.chunk.index, offset + at, KIND_CODE[h.kind], h.count, h.base, h.checksum, h.hash])
+        if area.is_cuda and any(e is not None for e in out):  # the payloads land before the Ready goes out
             torch.cuda.current_stream(area.device).synchronize()
-        self.offered += 1
-        self.payload_bytes += enc.payload.numel()
-        assert h.base == base and h.checksum is not None
-        return [unit.chunk.index, offset, KIND_CODE[h.kind], h.count, h.base, h.checksum, h.hash]
+        return out
 
 
 def entry_payload_bytes(entry: list[int], nbytes: int) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from .word_hash import C1, C2, G, fold, mix_terms
 
-__all__ = ["Changes", "find_changes", "change_terms", "fold", "eligible", "terms_torch"]
+__all__ = ["Changes", "find_changes", "find_changes_many", "change_terms", "change_terms_many", "fold", "eligible", "terms_torch"]
 
 log = logging.getLogger(__name__)
 
@@ -118,39 +118,61 @@ def _triton():
     return k.count, k.compact, k.change
 
 
-def _changes_triton(new: torch.Tensor, old: torch.Tensor) -> Changes:
+def _changes_triton(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Changes]:
+    """Every chunk's count pass queued, then one host sync for all their totals, then their compact passes."""
     count, compact, _ = _triton()
-    n64 = new.numel() // 8
-    blocks = -(-n64 // BLOCK64)
-    counts = torch.empty(blocks, dtype=torch.int64, device=new.device)
-    hsum = torch.empty(blocks, dtype=torch.int64, device=new.device)
-    starts = torch.zeros(blocks + 1, dtype=torch.int64, device=new.device)  # exclusive; the last is the total
-    if blocks:
-        count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, n64, G, C1, C2, BLOCK=BLOCK64,
-                         num_warps=8)
-        starts[1:] = counts.cumsum(0)
-    k, hdelta = torch.stack([starts[-1], hsum.sum()]).tolist()
-    hdelta &= _M
-    idx = torch.empty(k, dtype=torch.int64, device=new.device)
-    vals = torch.empty(k, dtype=torch.int16, device=new.device)
-    if k:
-        compact[(blocks,)](new.view(torch.int16), old.view(torch.int16), starts, counts, idx, vals,
-                           new.numel() // 2, BLOCK=4 * BLOCK64, num_warps=8)
-    return Changes(idx, vals, hdelta)
+    queued, totals = [], []
+    for new, old in pairs:
+        n64 = new.numel() // 8
+        blocks = -(-n64 // BLOCK64)
+        counts = torch.empty(blocks, dtype=torch.int64, device=new.device)
+        hsum = torch.empty(blocks, dtype=torch.int64, device=new.device)
+        starts = torch.zeros(blocks + 1, dtype=torch.int64, device=new.device)  # exclusive; the last is the total
+        if blocks:
+            count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, n64, G, C1, C2,
+                             BLOCK=BLOCK64, num_warps=8)
+            starts[1:] = counts.cumsum(0)
+        totals += [starts[-1:], hsum.sum().view(1)]
+        queued.append((new, old, blocks, counts, starts))
+    flat = torch.cat(totals).tolist() if totals else []
+    out = []
+    for (new, old, blocks, counts, starts), k, hdelta in zip(queued, flat[0::2], flat[1::2]):
+        idx = torch.empty(k, dtype=torch.int64, device=new.device)
+        vals = torch.empty(k, dtype=torch.int16, device=new.device)
+        if k:
+            compact[(blocks,)](new.view(torch.int16), old.view(torch.int16), starts, counts, idx, vals,
+                               new.numel() // 2, BLOCK=4 * BLOCK64, num_warps=8)
+        out.append(Changes(idx, vals, hdelta & _M))
+    return out
 
 
 def _change_triton(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> tuple[bool, int]:
+    return _changes_terms_triton([(chunk, idx, vals)])[0]
+
+
+def _changes_terms_triton(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[bool, int]]:
+    """Every chunk's check queued, then one host sync for all their results."""
     _, _, change = _triton()
-    k = idx.numel()
-    if not k:
-        return True, 0
-    blocks = -(-k // TERM_BLOCK)
-    hsum = torch.empty(blocks, dtype=torch.int64, device=chunk.device)
-    bad = torch.empty(blocks, dtype=torch.int32, device=chunk.device)
-    change[(blocks,)](chunk.view(torch.int64), idx, vals.view(torch.int16), k, chunk.numel() // 2, hsum, bad, G, C1,
-                      C2, BLOCK=TERM_BLOCK, num_warps=4)
-    nbad, total = torch.stack([bad.sum().long(), hsum.sum()]).tolist()
-    return nbad == 0, (int(total) & _M if nbad == 0 else 0)
+    sums = []
+    for chunk, idx, vals in items:
+        k = idx.numel()
+        if not k:
+            continue
+        blocks = -(-k // TERM_BLOCK)
+        hsum = torch.empty(blocks, dtype=torch.int64, device=chunk.device)
+        bad = torch.empty(blocks, dtype=torch.int32, device=chunk.device)
+        change[(blocks,)](chunk.view(torch.int64), idx, vals.view(torch.int16), k, chunk.numel() // 2, hsum, bad, G,
+                          C1, C2, BLOCK=TERM_BLOCK, num_warps=4)
+        sums += [bad.sum().long().view(1), hsum.sum().view(1)]
+    flat = iter(torch.cat(sums).tolist() if sums else [])
+    out = []
+    for _, idx, _ in items:
+        if not idx.numel():
+            out.append((True, 0))
+            continue
+        nbad, total = next(flat), next(flat)
+        out.append((nbad == 0, int(total) & _M if nbad == 0 else 0))
+    return out
 
 
 def _use_triton(device: torch.device) -> bool:
@@ -166,7 +188,7 @@ def _use_triton(device: torch.device) -> bool:
                 new = old.clone()
                 new[torch.randint(0, new.numel(), (300,), generator=g)] ^= 1
                 new, old = new.to(device), old.to(device)
-                a, b = _changes_triton(new, old), _changes_torch(new, old)
+                a, b = _changes_triton([(new, old)])[0], _changes_torch(new, old)
                 same = (torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
                         and _change_triton(old, a.idx, a.vals) == _change_torch(old, b.idx, b.vals))
                 _ok[key] = bool(same)
@@ -183,21 +205,38 @@ def _use_triton(device: torch.device) -> bool:
 
 def find_changes(new: torch.Tensor, old: torch.Tensor) -> Changes:
     """The changed 16-bit words of ``new`` against ``old`` and the word hash's change (both ``eligible``)."""
-    if not eligible(new, old) or new.numel() != old.numel():
-        raise ValueError(f"find_changes takes two equal-sized eligible uint8 chunks, got {new.numel()} / "
-                         f"{old.numel()} bytes on {new.device} / {old.device}")
-    return _changes_triton(new, old) if _use_triton(new.device) else _changes_torch(new, old)
+    return find_changes_many([(new, old)])[0]
+
+
+def find_changes_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Changes]:
+    """:func:`find_changes` of every (new, old) pair, on CUDA with one host sync for all of them (a group's chunks:
+    every count pass is queued before the one sync that learns their totals)."""
+    for new, old in pairs:
+        if not eligible(new, old) or new.numel() != old.numel():
+            raise ValueError(f"find_changes takes two equal-sized eligible uint8 chunks, got {new.numel()} / "
+                             f"{old.numel()} bytes on {new.device} / {old.device}")
+    if pairs and _use_triton(pairs[0][0].device) and all(n.device == pairs[0][0].device for n, _ in pairs):
+        return _changes_triton(pairs)
+    return [_changes_torch(new, old) for new, old in pairs]
 
 
 def change_terms(chunk: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> tuple[bool, int]:
     """(whether ``idx`` — 16-bit word indices, int32 or int64 — is strictly increasing within the chunk's words;
     the change of the word hash's terms were ``vals`` (16-bit, one per index) written there, 0 when not). Nothing is
     written: ``fold(hash, n, change)`` is the hash the chunk would have."""
-    if not eligible(chunk):
-        raise ValueError(f"change_terms takes an eligible uint8 chunk, got {chunk.numel()} bytes at "
-                         f"{chunk.data_ptr():#x}")
-    if idx.device != chunk.device or vals.device != chunk.device or vals.numel() != idx.numel() \
-            or vals.element_size() != 2:
-        raise ValueError(f"indices ({idx.numel()} on {idx.device}) and 16-bit values ({vals.numel()} {vals.dtype} on "
-                         f"{vals.device}) for a chunk on {chunk.device}")
-    return _change_triton(chunk, idx, vals) if _use_triton(chunk.device) else _change_torch(chunk, idx, vals)
+    return change_terms_many([(chunk, idx, vals)])[0]
+
+
+def change_terms_many(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[tuple[bool, int]]:
+    """:func:`change_terms` of every ``(chunk, idx, vals)``, on CUDA with one host sync for all of them."""
+    for chunk, idx, vals in items:
+        if not eligible(chunk):
+            raise ValueError(f"change_terms takes an eligible uint8 chunk, got {chunk.numel()} bytes at "
+                             f"{chunk.data_ptr():#x}")
+        if idx.device != chunk.device or vals.device != chunk.device or vals.numel() != idx.numel() \
+                or vals.element_size() != 2:
+            raise ValueError(f"indices ({idx.numel()} on {idx.device}) and 16-bit values ({vals.numel()} {vals.dtype} "
+                             f"on {vals.device}) for a chunk on {chunk.device}")
+    if items and _use_triton(items[0][0].device) and all(c.device == items[0][0].device for c, _, _ in items):
+        return _changes_terms_triton(items)
+    return [_change_torch(chunk, idx, vals) for chunk, idx, vals in items]

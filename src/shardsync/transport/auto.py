@@ -57,6 +57,13 @@ class AutoTransport:
         kinds = (["cuda_ipc", "nccl"] + (["nixl"] if self.nixl else [])) if buf.is_cuda else ["tcp"]
         return {"auto": {k: self._get(k).register(buf) for k in kinds}, "node": socket.gethostname()}
 
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Let go of the buffer ``desc`` names, in every transport that registered it; False where one cannot (the
+        caller then closes this transport and makes another)."""
+        offered = desc.get("auto", {})
+        done = [getattr(self._mine.get(k), "retire", lambda _d: False)(d) for k, d in offered.items()]
+        return bool(done) and all(done)
+
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
         offered = desc.get("auto")
         if not isinstance(offered, dict):

@@ -14,6 +14,8 @@ method                 side        what
 ``close()``            both        release everything; pending reads fail with TransportError
 ``view(p)`` (optional) consumer    ``p``'s buffer as a tensor of this process (``cuda_ipc``, ``loopback``):
                                    the consumer may copy straight from it into its parameters (direct reads)
+``retire(desc)`` (opt.) producer    let go of the buffer ``desc`` names; ``register`` may name the next one on the
+                                   same instance, and what ``share`` exported stays valid (True: done)
 ``share(t)``           producer    with ``caps.shares_memory``: a descriptor of tensor ``t`` where it lies
 ``open_shared(p, d)``  consumer    with ``caps.shares_memory``: that tensor of producer ``p``, mapped here
 =====================  ==========  =====================================================================

@@ -116,15 +116,22 @@ class CudaIpcTransport:
     caps = Caps(one_sided=True, gpu=True, can_abort=False, shares_memory=True)
 
     def __init__(self) -> None:
-        self._keep: list[torch.Tensor] = []
+        self._keep: dict[int, torch.Tensor] = {}
+        """Registration number -> a buffer this producer registered (kept alive while consumers map it)."""
         self._peers: dict[int, torch.Tensor] = {}
         self._local = threading.local()
 
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
         if not buf.is_cuda or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise TransportError("cuda_ipc registers contiguous uint8 CUDA buffers only")
-        self._keep.append(buf)
-        return {**_export(buf), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel()}
+        reg = max(self._keep, default=-1) + 1
+        self._keep[reg] = buf
+        return {**_export(buf), "tensor_offset": buf.storage_offset(), "nbytes": buf.numel(), "reg": reg}
+
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Producer: let go of the buffer ``desc`` (``register``'s answer) names; the tensors ``share`` exported stay
+        shared (their descriptors stay valid), so a ring can be swapped without consumers remapping them."""
+        return self._keep.pop(desc.get("reg", -1), None) is not None
 
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
         storage = self._open(producer, desc, "buffer")

@@ -35,6 +35,16 @@ class LoopbackTransport:
         self._mine.append(key)
         return {"key": key, "nbytes": buf.numel()}
 
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Let go of the buffer ``desc`` names (``share``'s registrations stay)."""
+        key = desc.get("key")
+        if key not in self._mine:
+            return False
+        self._mine.remove(key)
+        with _LOCK:
+            _REGISTRY.pop(key, None)
+        return True
+
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
         self._peers[producer] = int(desc["key"])
 

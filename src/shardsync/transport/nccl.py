@@ -95,6 +95,8 @@ class NcclTransport:
         self.connect_timeout_s, self.auth_timeout_s = connect_timeout_s, auth_timeout_s
         self.refused = 0
         self._buf: torch.Tensor | None = None
+        self._device = torch.device("cpu")
+        self._desc: dict[str, Any] = {}
         self._server: socket.socket | None = None
         self._store: Any = None
         self._closed = threading.Event()
@@ -108,7 +110,13 @@ class NcclTransport:
         if self.backend == "nccl" and not buf.is_cuda:
             raise TransportError("nccl transport: the registered buffer must be on a CUDA device (backend='gloo' "
                                  "serves CPU buffers)")
-        self._buf = buf
+        if self._server is not None:  # serving already: the buffer replaces the one retired (same port, same pairs)
+            if self._buf is not None or buf.device != self._device:
+                raise TransportError(f"nccl: registers one buffer at a time on one device (have "
+                                     f"{'one' if self._buf is not None else 'none'} on {self._device}; retire it first)")
+            self._buf = buf
+            return {**self._desc, "nbytes": buf.numel()}
+        self._buf, self._device = buf, buf.device
         self._store = dist.TCPStore(self.host, 0, None, True, timeout=timedelta(seconds=self.connect_timeout_s),
                                     wait_for_workers=False)
         self._server = socket.create_server((self.host, 0))
@@ -116,15 +124,23 @@ class NcclTransport:
         self.admission = Admission("nccl-serve", deadline_s=self.auth_timeout_s)
         threading.Thread(target=accept_loop, args=(self._server, self._closed, self._serve, "shardsync-nccl-serve",
                                                    self.admission), name="shardsync-nccl-accept", daemon=True).start()
-        return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1],
-                "store_port": self._store.port, "nbytes": buf.numel(), "backend": self.backend,
-                "device": str(buf.device)}
+        self._desc = {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1],
+                      "store_port": self._store.port, "nbytes": buf.numel(), "backend": self.backend,
+                      "device": str(buf.device)}
+        return dict(self._desc)
+
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Stop serving the registered buffer (reads of it are refused) until ``register`` names the next one: the
+        server, its port and the consumers' pairs stay."""
+        if self._buf is None or desc.get("port") != self._desc["port"]:
+            return False
+        self._buf = None
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
-        assert self._buf is not None
-        buf, pg = self._buf, None
-        if buf.is_cuda:
-            torch.cuda.set_device(buf.device)
+        pg = None
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         with conn:
             try:
                 if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
@@ -136,7 +152,8 @@ class NcclTransport:
                 conn.settimeout(None)
                 while not self._closed.is_set():
                     off, n, timeout_ms = _REQ.unpack(recv_exact(conn, _REQ.size))
-                    if off + n > buf.numel() or n == 0:
+                    buf = self._buf  # read per request: a retired buffer is replaced in place
+                    if buf is None or off + n > buf.numel() or n == 0:
                         conn.sendall(_ERR)
                         continue
                     conn.sendall(_OK)

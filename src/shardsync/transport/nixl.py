@@ -94,6 +94,19 @@ class NixlTransport:
                 "addr": buf.data_ptr(), "nbytes": buf.numel(),
                 "device": "cuda" if buf.is_cuda else "cpu", "device_id": dev}
 
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Deregister the buffer ``desc`` (``register``'s answer) names; its memory may go."""
+        with self._lock:
+            for i, (buf, reg) in enumerate(self._exported):
+                if buf.data_ptr() == desc.get("addr") and buf.numel() == desc.get("nbytes"):
+                    del self._exported[i]
+                    try:
+                        self._agent.deregister_memory(reg, backends=self._backends)
+                    except Exception:
+                        return False  # the caller closes this agent (which deregisters all) and makes another
+                    return True
+        return False
+
     # -- consumer -------------------------------------------------------------------------------
     def connect(self, producer: int, desc: dict[str, Any]) -> None:
         peer = f"producer {producer} (agent {desc.get('agent')!r})"

@@ -76,6 +76,7 @@ class TcpTransport:
         self.admission = Admission("tcp-serve", deadline_s=auth_timeout_s)
         self._server: socket.socket | None = None
         self._buf: torch.Tensor | None = None
+        self._desc: dict[str, Any] = {}
         self._peers: dict[int, socket.socket] = {}
         self._peer_locks: dict[int, threading.Lock] = {}
         self._sizes: dict[int, int] = {}
@@ -86,6 +87,11 @@ class TcpTransport:
     def register(self, buf: torch.Tensor) -> dict[str, Any]:
         if buf.device.type != "cpu" or buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise TransportError("tcp transport registers contiguous uint8 CPU buffers only")
+        if self._server is not None:  # serving already: the buffer replaces the one retired (same port)
+            if self._buf is not None:
+                raise TransportError("tcp transport registers one buffer at a time (retire it first)")
+            self._buf = buf
+            return {**self._desc, "nbytes": buf.numel()}
         self._buf = buf
         self._server = socket.create_server((self.host, self.port))
         self._server.settimeout(0.2)
@@ -93,11 +99,18 @@ class TcpTransport:
                                                        self.admission), name="shardsync-tcp-accept", daemon=True)
         t.start()
         self._threads.append(t)
-        return {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1], "nbytes": buf.numel()}
+        self._desc = {"host": advertised(self.host, self.advertise_host), "port": self._server.getsockname()[1],
+                      "nbytes": buf.numel()}
+        return dict(self._desc)
+
+    def retire(self, desc: dict[str, Any]) -> bool:
+        """Stop serving the registered buffer (reads of it are refused) until ``register`` names the next one."""
+        if self._buf is None or desc.get("port") != self._desc["port"]:
+            return False
+        self._buf = None
+        return True
 
     def _serve(self, conn: socket.socket) -> None:
-        assert self._buf is not None
-        mv = memoryview(self._buf.numpy())
         with conn:
             try:
                 if not token_ok(conn, self.token, self.auth_timeout_s, self._refuse):
@@ -106,6 +119,8 @@ class TcpTransport:
                 conn.settimeout(self.idle_timeout_s)
                 while not self._closed.is_set():
                     off, n = _REQ.unpack(recv_exact(conn, _REQ.size))
+                    buf = self._buf  # read per request: a retired buffer is replaced in place
+                    mv = memoryview(buf.numpy()) if buf is not None else memoryview(b"")
                     if off + n > len(mv):
                         conn.sendall(_ERR)
                         continue

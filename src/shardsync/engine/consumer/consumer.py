@@ -407,7 +407,15 @@ class Consumer:
     def _connect(self, producers: list[dict[str, Any]]) -> None:
         for info in producers:
             p, inc, desc = int(info["rank"]), int(info["incarnation"]), info["desc"]
-            if self.peers.get(p) == (inc, desc):
+            had = self.peers.get(p)
+            if had == (inc, desc):
+                continue
+            if had is not None and had[0] == inc:  # the same producer swapped its ring: only the data plane reconnects
+                try:
+                    self.transport.connect(p, desc)
+                except TransportError as e:
+                    raise producer_lost(self.id, p, -1, "", e) from None
+                self.peers[p] = (inc, desc)
                 continue
             for old in (self.clients.pop(p, None), self.rclients.pop(p, None)):
                 if old is not None:

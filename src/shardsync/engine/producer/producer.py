@@ -281,9 +281,12 @@ class Producer:
                       **(delta.stats() if delta is not None else {})}
 
     def _new_ring(self, nbytes: int) -> torch.Tensor:
-        """A ring of ``nbytes`` registered as this rank's descriptor. A ring registered before goes with its transport:
-        a new transport (and source shares on it) is made (the callers check that the transport is this rank's own)."""
-        if hasattr(self, "desc"):
+        """A ring of ``nbytes`` registered as this rank's descriptor. A ring registered before is retired first
+        (``Transport.retire``): the transport and the storages it shared stay, so consumers keep their mapped source
+        tensors and only reconnect to the ring; a transport that cannot retire goes with it, and a new one (with
+        source shares on it) is made (the callers check that the transport is this rank's own)."""
+        retire = getattr(self.transport, "retire", None)
+        if hasattr(self, "desc") and not (retire is not None and retire(self.desc)):
             self.transport.close()
             self.transport = self._make_transport()
             if self.shares is not None:  # descriptors of the old transport's shares are gone with it

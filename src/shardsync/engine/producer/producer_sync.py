@@ -27,7 +27,6 @@ from .versions import VersionState
 from ...security.chunkmac import chunk_tag
 from ..protocol.wire import chunk_checksum
 from ...errors import MetadataMismatch, ProducerLost, SyncError, TransportError
-from ...delta.sender import codec_align, entry_payload_bytes
 from ...source import check_tensor
 
 __all__ = ["ProducerSync"]
@@ -296,23 +295,29 @@ class ProducerSync:
 
         def announce() -> None:  # each plan digest's Ready: chunks, with their checksums or keyed tags
             ready: dict[str, m.Ready] = {}
-            area, area_end = base + lay.dense_slot, base + lay.slot_bytes  # the slot's delta area, filled in turn
-            for u in units:
+            regions = [ring[base + u.slot_offset: base + u.slot_offset + u.chunk.nbytes] for u in units]
+            sums = [chunk_checksum(r) if ctx.checksums else -1 for r in regions]
+            entries: list = [None] * len(units)
+            if delta is not None:  # the chunks some member may read as deltas, encoded together
+                wanted = []
+                for i, u in enumerate(units):
+                    if table.any_takes_deltas(live.get(u.digest, set())):
+                        wanted.append(i)
+                    else:
+                        delta.skip(u, g)  # every member reads it dense: no encode, and its base is gone
+                area = base + lay.dense_slot  # the slot's delta area
+                got = delta.offer(g, [(units[i], regions[i], sums[i] if sums[i] >= 0 else None) for i in wanted],
+                                  ring[area: base + lay.slot_bytes], area) if wanted else []
+                for i, e in zip(wanted, got):
+                    entries[i] = e
+            for u, region, csum, entry in zip(units, regions, sums, entries):
                 c = u.chunk
-                region = ring[base + u.slot_offset: base + u.slot_offset + c.nbytes]
                 if u.digest not in ready:
                     ready[u.digest] = m.Ready(version=self.version, group=g, chunks=[])
                 r = ready[u.digest]
-                csum = chunk_checksum(region) if ctx.checksums else -1
                 r.chunks.append([c.index, base + u.slot_offset, c.nbytes, csum])
-                if delta is not None and not table.any_takes_deltas(live.get(u.digest, set())):
-                    delta.skip(u, g)  # every member reads it dense: no encode, and its base is gone
-                elif delta is not None:
-                    entry = delta.offer(u, g, region, ring[area: area_end], area,
-                                        known_checksum=csum if csum >= 0 else None)
-                    if entry is not None:
-                        r.deltas.append(entry)
-                        area = min(area_end, area + codec_align(entry_payload_bytes(entry, c.nbytes)))
+                if entry is not None:
+                    r.deltas.append(entry)
                 if ctx.chunk_key is not None:
                     r.tags.append(chunk_tag(ctx.chunk_key, producer=self.cfg.rank, version=self.version, group=g,
                                             chunk=c.index, data=region))

@@ -53,6 +53,8 @@ class SourceOpener:
         self._storages: dict[tuple[int, bytes], torch.Tensor] = {}
         self._tables: dict[tuple[int, str], tuple[bytes, Sources, list[tuple[int, bytes]]]] = {}
         self._serial = 0
+        self.opened = 0
+        """Storages mapped here (summed over syncs): a producer that keeps its tensors adds none after the first."""
         self._packers: dict[str, GroupPacker] = {}
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -105,6 +107,7 @@ class SourceOpener:
                 raise SyncError(f"{where}: more shared storages open than 4 per tensor of the metadata")
             try:
                 t = self._storages[key] = self.transport.open_shared(p, desc)
+                self.opened += 1
             except TransportError as e:
                 raise SyncError(f"{where}: {e}") from None
         return t
