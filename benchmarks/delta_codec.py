@@ -6,10 +6,11 @@ the 16-bit words changed, beside a plain copy of the same bytes on the same devi
 
 A codec micro-benchmark (no engine, no transport), two ways per fraction, every result checked byte for byte:
 
-- ``encode_gbps`` / ``decode_gbps``: what a sync runs — the producer's ``DeltaHistory.encode(checksum=True)`` against
-  the stored base (find the changed words, build the payload, update the base with its undo journal, checksum the
-  new bytes: on a GPU folded from the base's word hash, ``kernels/word_delta.py``) and the consumer's
-  ``codec.apply_verified`` on its held copy (validate, apply, check: folded from the held hash on a GPU);
+- ``encode_gbps`` / ``decode_gbps``: what a sync runs — the producer's ``DeltaHistory.encode_many`` of the chunks as
+  one group against the stored bases (find the changed words, build the payloads, update the bases with their undo
+  journal, checksum the new bytes: on a GPU folded from the base's word hash, ``kernels/word_delta.py``; one host
+  sync for the group) and the consumer's ``codec.apply_verified_many`` on its held copy (validate, apply, check:
+  folded from the held hash on a GPU); ``per_chunk``: the same, one call (and host sync) per chunk;
 - ``stateless``: ``encode(new, old, checksum=True)`` and ``decode_`` + ``verify`` with no stored hashes (a full
   hash of each chunk on each side: xxh3 on the host, the word hash on a GPU).
 GB/s = dense chunk bytes / seconds (encode reads twice that: the new and the old chunk). Prints a table, or one JSON
@@ -51,10 +52,12 @@ def _timed(fn, dev: torch.device, reps: int) -> float:
     return statistics.median(out)
 
 
-def _product(news: list, olds: list, dev: torch.device, reps: int) -> tuple[float, float, bool, list]:
+def _product(news: list, olds: list, dev: torch.device, reps: int, *, grouped: bool) -> tuple[float, float, bool, list]:
     """Median seconds of the producer's history encode and the consumer's verified apply of every chunk, each rep a
     new version: the stored base and the held copy alternate between the old and the new bytes (so every version
-    changes the same words), their hashes known from the version before as in a run of syncs."""
+    changes the same words), their hashes known from the version before as in a run of syncs. ``grouped``: the
+    chunks as one group, as a sync runs them (``encode_many`` / ``apply_verified_many``: one host sync for all);
+    else one call per chunk."""
     keys = [("bench", "g", i) for i in range(len(olds))]
     hist = DeltaHistory(dict(zip(keys, (o.numel() for o in olds))), budget_bytes=2 * sum(o.numel() + 64 for o in olds),
                         device=dev)
@@ -70,13 +73,20 @@ def _product(news: list, olds: list, dev: torch.device, reps: int) -> tuple[floa
         hist.begin(v)
         _sync(dev)
         t = time.perf_counter()
-        encs = [hist.encode(k, c, checksum=True) for k, c in zip(keys, target)]
+        if grouped:
+            encs = [e for e, _ in hist.encode_many([(k, c, True) for k, c in zip(keys, target)])]
+        else:
+            encs = [hist.encode(k, c, checksum=True) for k, c in zip(keys, target)]
         _sync(dev)
         enc_t.append(time.perf_counter() - t)
         hist.commit(v)
         t = time.perf_counter()
-        for i, (h, e) in enumerate(zip(held, encs)):
-            hashes[i] = codec.apply_verified(h, e, base=v - 1, held_hash=hashes[i])
+        if grouped:
+            hashes = codec.apply_verified_many([(h, e, v - 1, hashes[i], "") for i, (h, e) in enumerate(zip(held, encs))])
+            assert not any(isinstance(x, Exception) for x in hashes), hashes
+        else:
+            for i, (h, e) in enumerate(zip(held, encs)):
+                hashes[i] = codec.apply_verified(h, e, base=v - 1, held_hash=hashes[i])
         _sync(dev)
         dec_t.append(time.perf_counter() - t)
         exact = exact and all(torch.equal(h, c) for h, c in zip(held, target))
@@ -104,7 +114,8 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             w[m] ^= 1  # one ulp of a bf16: what a small optimizer step does to a changed element
             news.append(w.view(torch.uint8))
         encs: list = []
-        hist_enc_s, hist_dec_s, hist_exact, hist_encs = _product(news, olds, dev, reps)
+        hist_enc_s, hist_dec_s, hist_exact, hist_encs = _product(news, olds, dev, reps, grouped=True)
+        one_enc_s, one_dec_s, one_exact, _ = _product(news, olds, dev, reps, grouped=False)
         enc_s = _timed(lambda: encs.__setitem__(slice(None), [codec.encode(n, o, base=0, checksum=True)
                                                                for n, o in zip(news, olds)]), dev, reps)
 
@@ -132,7 +143,8 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             "encode_decode_gbps": round(total / (hist_enc_s + hist_dec_s) / 1e9, 3),
             "encode_ms_per_chunk": round(hist_enc_s / chunks * 1e3, 3),
             "decode_ms_per_chunk": round(hist_dec_s / chunks * 1e3, 3),
-            "wire_bytes": wire, "bytes_ratio": round(total / wire, 2), "exact": exact and hist_exact,
+            "wire_bytes": wire, "bytes_ratio": round(total / wire, 2), "exact": exact and hist_exact and one_exact,
+            "per_chunk": {"encode_gbps": round(total / one_enc_s / 1e9, 3), "decode_gbps": round(total / one_dec_s / 1e9, 3)},
             "stateless": {"encode_gbps": round(total / enc_s / 1e9, 3), "decode_gbps": round(total / dec_s / 1e9, 3),
                           "encode_decode_gbps": round(total / (enc_s + dec_s) / 1e9, 3)}}
     hash_s = _timed(lambda: [codec.checksum_of(o, codec.hash_for(o)) for o in olds], dev, reps)
@@ -155,8 +167,9 @@ def main() -> int:
     print(f"{r['device_name']} ({r['device']}, {r['threads']} threads): {r['chunks']} x {a.chunk_mib} MiB, "
           f"plain copy {r['copy_gbps']} GB/s", file=sys.stderr)
     for f, x in r["fractions"].items():
-        print(f"  {float(f):>5.0%} changed: encode {x['encode_gbps']:>8} GB/s  decode {x['decode_gbps']:>8} GB/s  "
-              f"both {x['encode_decode_gbps']:>8} GB/s (stateless: {x['stateless']['encode_gbps']} / "
+        print(f"  {float(f):>6.1%} changed: encode {x['encode_gbps']:>8} GB/s  decode {x['decode_gbps']:>8} GB/s  "
+              f"both {x['encode_decode_gbps']:>8} GB/s (per chunk: {x['per_chunk']['encode_gbps']} / "
+              f"{x['per_chunk']['decode_gbps']}; stateless: {x['stateless']['encode_gbps']} / "
               f"{x['stateless']['decode_gbps']})  {x['bytes_ratio']:>6}x fewer bytes ({'/'.join(x['kinds'])})  "
               f"exact={x['exact']}", file=sys.stderr)
     if a.json:

@@ -6,9 +6,11 @@ term per 64-bit word) the checksum of the new bytes is the base's plus, for each
 ``term(new word) - term(old word)`` — work proportional to the changes, not to the chunk (:func:`fold` turns a hash
 and that sum into the new hash). So:
 
-- :func:`find_changes` (producer): on CUDA two fused Triton passes over the new and old chunk — per block of
-  words the count of changed words and the hash terms' change, then, after one host sync for the total, the
-  compacted indices and values at each block's offset (a block without changes reads nothing the second time) —
+- :func:`find_changes` (producer): on CUDA two fused Triton passes — over the new and old chunk, per block of
+  words the count of changed words, the hash terms' change and a byte per 64-bit word flagging its changed 16-bit
+  words; then, after one host sync for the totals (of all a group's chunks: :func:`find_changes_many`), from the
+  flags the compacted indices and values at each block's offset (the old chunk is not read again, the new one only
+  in the sectors holding a change, a block without changes not at all) —
   instead of torch's compare / nonzero / refine / gather passes and a hash of the whole chunk. Elsewhere (CPU,
   an odd or unaligned chunk) the same results from torch ops.
 - :func:`change_terms` (consumer): what writing a delta's values at its indices would do to the terms of the
@@ -128,20 +130,21 @@ def _changes_triton(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Chan
         counts = torch.empty(blocks, dtype=torch.int64, device=new.device)
         hsum = torch.empty(blocks, dtype=torch.int64, device=new.device)
         starts = torch.zeros(blocks + 1, dtype=torch.int64, device=new.device)  # exclusive; the last is the total
+        flags = torch.empty(n64, dtype=torch.uint8, device=new.device)  # per 64-bit word: its changed 16-bit words
         if blocks:
-            count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, n64, G, C1, C2,
+            count[(blocks,)](new.view(torch.int64), old.view(torch.int64), counts, hsum, flags, n64, G, C1, C2,
                              BLOCK=BLOCK64, num_warps=8)
             starts[1:] = counts.cumsum(0)
         totals += [starts[-1:], hsum.sum().view(1)]
-        queued.append((new, old, blocks, counts, starts))
+        queued.append((new, flags, blocks, counts, starts))
     flat = torch.cat(totals).tolist() if totals else []
     out = []
-    for (new, old, blocks, counts, starts), k, hdelta in zip(queued, flat[0::2], flat[1::2]):
+    for (new, flags, blocks, counts, starts), k, hdelta in zip(queued, flat[0::2], flat[1::2]):
         idx = torch.empty(k, dtype=torch.int64, device=new.device)
         vals = torch.empty(k, dtype=torch.int16, device=new.device)
         if k:
-            compact[(blocks,)](new.view(torch.int16), old.view(torch.int16), starts, counts, idx, vals,
-                               new.numel() // 2, BLOCK=4 * BLOCK64, num_warps=8)
+            compact[(blocks,)](new.view(torch.int16), flags, starts, counts, idx, vals, new.numel() // 2,
+                               BLOCK=4 * BLOCK64, num_warps=8)
         out.append(Changes(idx, vals, hdelta & _M))
     return out
 

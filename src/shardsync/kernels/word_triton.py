@@ -3,7 +3,9 @@
 serves all of them: a 64-bit word's hash term at its 1-based position.
 
 ``terms``: per block of 64-bit words, the sum of their hash terms; ``count``: per block, the changed 16-bit words and
-the hash terms' change; ``compact``: the changed words' indices and new values at each block's offset; ``change``:
+the hash terms' change, and per 64-bit word a byte flagging which of its four 16-bit words changed; ``compact``: from
+those flags (the old chunk is not read again, the new one only where a change lies), the changed words' indices and
+new values at each block's offset; ``change``:
 what writing values at a sorted index list would do to the terms of the 64-bit words it touches (nothing is written),
 and how many indices break the order or the range. Their contract is the torch path of each module.
 """
@@ -31,30 +33,33 @@ def terms(w_ptr, out_ptr, nwords, g, c1, c2, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def count(new_ptr, old_ptr, counts_ptr, hsum_ptr, n64, g, c1, c2, BLOCK: tl.constexpr):
+def count(new_ptr, old_ptr, counts_ptr, hsum_ptr, flags_ptr, n64, g, c1, c2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n64
     a = tl.load(new_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
     b = tl.load(old_ptr + offs, mask=m, other=0).to(tl.uint64, bitcast=True)
     x = a ^ b
-    c = (((x & 0xFFFF) != 0).to(tl.int32) + (((x >> 16) & 0xFFFF) != 0).to(tl.int32)
-         + (((x >> 32) & 0xFFFF) != 0).to(tl.int32) + ((x >> 48) != 0).to(tl.int32))
-    tl.store(counts_ptr + pid, tl.sum(c, axis=0).to(tl.int64))
+    f0 = ((x & 0xFFFF) != 0).to(tl.int32)
+    f1 = (((x >> 16) & 0xFFFF) != 0).to(tl.int32)
+    f2 = (((x >> 32) & 0xFFFF) != 0).to(tl.int32)
+    f3 = ((x >> 48) != 0).to(tl.int32)
+    tl.store(flags_ptr + offs, (f0 | (f1 << 1) | (f2 << 2) | (f3 << 3)).to(tl.uint8), mask=m)
+    tl.store(counts_ptr + pid, tl.sum(f0 + f1 + f2 + f3, axis=0).to(tl.int64))
     d = _mixed(a, offs + 1, g, c1, c2) - _mixed(b, offs + 1, g, c1, c2)
     d = tl.where(x != 0, d, tl.zeros_like(d))
     tl.store(hsum_ptr + pid, tl.sum(d, axis=0).to(tl.int64, bitcast=True))
 
 
 @triton.jit
-def compact(new_ptr, old_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, BLOCK: tl.constexpr):
+def compact(new_ptr, flags_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     lim = tl.where(tl.load(counts_ptr + pid) > 0, n16, 0)
     m = offs < lim  # a block without changes loads nothing
-    a = tl.load(new_ptr + offs, mask=m, other=0)
-    b = tl.load(old_ptr + offs, mask=m, other=0)
-    ch = (a != b) & m
+    f = tl.load(flags_ptr + (offs >> 2), mask=m, other=0).to(tl.int32)  # count's flags: which 16-bit words changed
+    ch = (((f >> (offs & 3).to(tl.int32)) & 1) != 0) & m
+    a = tl.load(new_ptr + offs, mask=ch, other=0)  # only the sectors holding a change are read
     c = ch.to(tl.int32)
     at = tl.load(starts_ptr + pid) + (tl.cumsum(c, axis=0) - c).to(tl.int64)
     tl.store(idx_ptr + at, offs, mask=ch)
