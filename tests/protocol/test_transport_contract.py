@@ -191,7 +191,53 @@ def test_a_retired_buffer_is_replaced_on_the_same_transport(name: str) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["cuda_ipc", "auto"])
 def test_a_retired_gpu_buffer_is_replaced_on_the_same_transport(name: str) -> None:
-    _retire_and_replace(name, "cuda:0")
+    """The same across processes on one GPU (CUDA IPC handles open only in another process than their exporter's):
+    the producer swaps its buffer while the consumer keeps the tensor it mapped before the swap."""
+    descs, out, step = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    prod = CTX.Process(target=_swapping_producer, args=(name, descs, step), daemon=True)
+    cons = CTX.Process(target=_swap_consumer, args=(name, descs, out, step), daemon=True)
+    prod.start(), cons.start()
+    try:
+        got = out.get(timeout=180)
+        assert got == ["first", "second", "shared"], got
+    finally:
+        step.put("stop")
+        for x in (prod, cons):
+            x.join(10)
+            if x.is_alive():
+                x.kill()
+
+
+def _swapping_producer(name: str, descs, step) -> None:
+    t = _make(name)
+    a, b, held = pattern(4096).cuda(), pattern(8192).flip(0).contiguous().cuda(), pattern(1000).cuda()
+    first = t.register(a)
+    descs.put((first, t.share(held)))
+    step.get(timeout=120)  # the consumer read the first buffer
+    ok = t.retire(first) and not t.retire(first)
+    descs.put((t.register(b) if ok else None, None))
+    step.get(timeout=120)
+
+
+def _swap_consumer(name: str, descs, out, step) -> None:
+    try:
+        t, seen = _make(name), []
+        first, shared = descs.get(timeout=120)
+        t.connect(0, first)
+        mapped = t.open_shared(0, shared)
+        into = torch.zeros(8192, dtype=torch.uint8, device="cuda:0")
+        t.read(0, 0, 4096, into, timeout_s=10)
+        seen.append("first" if torch.equal(into[:4096].cpu(), pattern(4096)) else "first wrong")
+        step.put("read")
+        second, _ = descs.get(timeout=120)
+        if second is not None:
+            t.connect(0, second)
+            t.read(0, 0, 8192, into, timeout_s=10)
+            seen.append("second" if torch.equal(into.cpu(), pattern(8192).flip(0)) else "second wrong")
+        seen.append("shared" if torch.equal(mapped[:1000].cpu(), pattern(1000)) else "shared wrong")
+        out.put(seen)
+    except BaseException as e:
+        out.put([f"{type(e).__name__}: {e}"])
 
 
 def test_unknown_transport_is_a_clear_error() -> None:
