@@ -28,6 +28,7 @@ import torch
 from .sender import CODE_KIND, ENTRY_LEN
 from . import codec
 from ..errors import ChecksumError, DeltaError, SyncError
+from ..kernels import word_delta
 from ..plan.pack import ALIGN, ChunkParts, GroupLayout
 
 __all__ = ["HeldChunks", "read_held", "parse_offers"]
@@ -62,6 +63,12 @@ class HeldChunks:
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("delta_chunks", "delta_dense_chunks", "delta_heals", "delta_rejected",
                                      "delta_payload_bytes", "delta_dense_bytes"), 0)
+
+    @staticmethod
+    def warm(device: torch.device) -> bool:
+        """Compile and check the delta checks' kernels on ``device`` now (at init: the first delta sync then waits for
+        none); whether they are used there."""
+        return word_delta.warm(device)
 
     def view(self, group: str, ci: int) -> torch.Tensor:
         off, n = self.offsets[(group, ci)]

@@ -30,6 +30,7 @@ import torch
 from . import codec
 from .history import DeltaHistory
 from ..errors import DeltaBudgetError
+from ..kernels import word_delta
 
 __all__ = ["DeltaSender", "KIND_CODE", "CODE_KIND", "ENTRY_LEN"]
 
@@ -54,6 +55,8 @@ class DeltaSender:
         self.budget = need + need // JOURNAL_SHARE if budget_bytes is None else budget_bytes
         if self.budget < need:
             raise DeltaBudgetError(budget=self.budget, need=need)  # refused at init, not at the first encode
+        if device.type == "cuda":  # the encode runs where the chunks lie: its kernels compiled now, not in a sync
+            word_delta.warm(device)
         self.device, self.pin = (torch.device("cpu"), True) if host else (device, False)
         """Where the history lives: the ring's device, or (``host``) pinned host memory beside a GPU ring."""
         self._history: DeltaHistory | None = None

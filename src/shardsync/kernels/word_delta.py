@@ -34,8 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from .word_hash import C1, C2, G, fold, mix_terms
+from .word_hash import warm as word_hash_warm
 
-__all__ = ["Changes", "find_changes", "find_changes_many", "change_terms", "change_terms_many", "fold", "eligible", "terms_torch"]
+__all__ = ["Changes", "find_changes", "find_changes_many", "change_terms", "change_terms_many", "warm", "fold", "eligible", "terms_torch"]
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +193,10 @@ def _use_triton(device: torch.device) -> bool:
                 new[torch.randint(0, new.numel(), (300,), generator=g)] ^= 1
                 new, old = new.to(device), old.to(device)
                 a, b = _changes_triton([(new, old)])[0], _changes_torch(new, old)
+                want = _change_torch(old, b.idx, b.vals)
                 same = (torch.equal(a.idx, b.idx) and torch.equal(a.vals, b.vals) and a.hash_delta == b.hash_delta
-                        and _change_triton(old, a.idx, a.vals) == _change_torch(old, b.idx, b.vals))
+                        and _change_triton(old, a.idx, a.vals) == want  # a history's int64 indices, and a
+                        and _change_triton(old, a.idx.to(torch.int32), a.vals) == want)  # pairs payload's int32
                 _ok[key] = bool(same)
                 if not same:
                     why_not[key] = "the kernels disagree with torch on a probe"
@@ -204,6 +207,13 @@ def _use_triton(device: torch.device) -> bool:
                 log.warning("word_delta: the Triton kernels are not used on %s (%s): torch ops instead", device,
                             why_not[key][:500])
         return _ok[key]
+
+
+def warm(device: torch.device | str) -> bool:
+    """Check (and so compile) the kernels here and the word hash's on ``device`` now — at init, not in the first sync
+    that needs them; whether they are used there (else the torch paths)."""
+    device = torch.device(device)
+    return word_hash_warm(device) & _use_triton(device)  # both checked, whatever the first says
 
 
 def find_changes(new: torch.Tensor, old: torch.Tensor) -> Changes:

@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-__all__ = ["word_hash", "word_hash_reference", "mix_terms", "fold", "G", "C1", "C2", "C3"]
+__all__ = ["word_hash", "warm", "word_hash_reference", "mix_terms", "fold", "G", "C1", "C2", "C3"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,11 @@ def _use_triton(device: torch.device) -> bool:
                 log.debug("word_hash: the Triton kernel is not usable on %s (%s): torch ops instead", device, e)
                 _kernel_ok[idx] = False
         return _kernel_ok[idx]
+
+
+def warm(device: torch.device) -> bool:
+    """Check (and so compile) the hash kernel on ``device`` now; whether it is used there (never off CUDA)."""
+    return device.type == "cuda" and _use_triton(device)
 
 
 def word_hash(t: torch.Tensor) -> int:

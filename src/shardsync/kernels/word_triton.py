@@ -8,6 +8,10 @@ those flags (the old chunk is not read again, the new one only where a change li
 new values at each block's offset; ``change``:
 what writing values at a sorted index list would do to the terms of the 64-bit words it touches (nothing is written),
 and how many indices break the order or the range. Their contract is the torch path of each module.
+
+Sizes (and the delta's index and value pointers, which a received payload places anywhere) are not specialized on:
+one compiled variant per kernel and device serves every chunk, so the probe that checks the kernels at init
+(``word_delta.warm``) also compiles all of them, and no sync waits for a compile.
 """
 
 import triton
@@ -22,7 +26,7 @@ def _mixed(w, pos1, g, c1, c2):
     return x ^ (x >> 29)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nwords"])
 def terms(w_ptr, out_ptr, nwords, g, c1, c2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -32,7 +36,7 @@ def terms(w_ptr, out_ptr, nwords, g, c1, c2, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(x, axis=0).to(tl.int64, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n64"])
 def count(new_ptr, old_ptr, counts_ptr, hsum_ptr, flags_ptr, n64, g, c1, c2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -51,7 +55,7 @@ def count(new_ptr, old_ptr, counts_ptr, hsum_ptr, flags_ptr, n64, g, c1, c2, BLO
     tl.store(hsum_ptr + pid, tl.sum(d, axis=0).to(tl.int64, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n16"])
 def compact(new_ptr, flags_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -66,7 +70,7 @@ def compact(new_ptr, flags_ptr, starts_ptr, counts_ptr, idx_ptr, val_ptr, n16, B
     tl.store(val_ptr + at, a, mask=ch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["idx_ptr", "val_ptr", "k", "n16"])
 def change(words_ptr, idx_ptr, val_ptr, k, n16, hsum_ptr, bad_ptr, g, c1, c2, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

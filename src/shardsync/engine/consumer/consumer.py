@@ -162,6 +162,8 @@ class Consumer:
             self.sources = SourceOpener(self.transport, self.metas, who=f"consumer {self.id}") \
                 if self.transport.caps.shares_memory else None
             self.plan = self.record(self.metas)
+            if self.delta and self.lane.cuda:  # the delta checks' kernels compiled now, not in the first delta sync
+                HeldChunks.warm(self.lane.device)
             holders = holders_from_ownership(w.held, [x.name for x in self.metas])
             self.layouts: dict[str, GroupLayout] = chunk_layouts(self.plan, holders,
                                                                  max_chunk_bytes=w.max_chunk_bytes)
