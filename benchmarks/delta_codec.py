@@ -82,7 +82,8 @@ def _product(news: list, olds: list, dev: torch.device, reps: int, *, grouped: b
         hist.commit(v)
         t = time.perf_counter()
         if grouped:
-            hashes = codec.apply_verified_many([(h, e, v - 1, hashes[i], "") for i, (h, e) in enumerate(zip(held, encs))])
+            hashes = codec.apply_verified_many([(h, e, v - 1, hashes[i], "")
+                                                for i, (h, e) in enumerate(zip(held, encs))])
             assert not any(isinstance(x, Exception) for x in hashes), hashes
         else:
             for i, (h, e) in enumerate(zip(held, encs)):
@@ -144,7 +145,8 @@ def run(*, chunks: int, chunk_mib: int, fractions: list[float], reps: int, devic
             "encode_ms_per_chunk": round(hist_enc_s / chunks * 1e3, 3),
             "decode_ms_per_chunk": round(hist_dec_s / chunks * 1e3, 3),
             "wire_bytes": wire, "bytes_ratio": round(total / wire, 2), "exact": exact and hist_exact and one_exact,
-            "per_chunk": {"encode_gbps": round(total / one_enc_s / 1e9, 3), "decode_gbps": round(total / one_dec_s / 1e9, 3)},
+            "per_chunk": {"encode_gbps": round(total / one_enc_s / 1e9, 3),
+                          "decode_gbps": round(total / one_dec_s / 1e9, 3)},
             "stateless": {"encode_gbps": round(total / enc_s / 1e9, 3), "decode_gbps": round(total / dec_s / 1e9, 3),
                           "encode_decode_gbps": round(total / (enc_s + dec_s) / 1e9, 3)}}
     hash_s = _timed(lambda: [codec.checksum_of(o, codec.hash_for(o)) for o in olds], dev, reps)

@@ -50,8 +50,8 @@ from ..kernels.word_hash import fold
 __all__ = ["DENSE", "PAIRS", "BITMAP", "KINDS", "HEADER_MAX", "DeltaHeader", "Encoded", "encode", "dense",
            "decode_", "decode_into", "check_header", "header_bytes", "read_header", "payload_nbytes", "word_size",
            "choose", "checksum", "checksum_of", "hash_for", "XXH3", "WORD", "HASHES", "verify", "changed_words",
-           "find_changes", "find_changes_many", "new_checksum", "encode_changes", "validate", "apply_changes", "apply_verified",
-           "apply_verified_many"]
+           "find_changes", "find_changes_many", "new_checksum", "encode_changes", "validate", "apply_changes",
+           "apply_verified", "apply_verified_many"]
 
 DENSE, PAIRS, BITMAP = "dense", "pairs", "bitmap"
 KINDS = (DENSE, PAIRS, BITMAP)
