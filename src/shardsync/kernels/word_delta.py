@@ -36,7 +36,8 @@ import torch
 from .word_hash import C1, C2, G, fold, mix_terms
 from .word_hash import warm as word_hash_warm
 
-__all__ = ["Changes", "find_changes", "find_changes_many", "change_terms", "change_terms_many", "warm", "fold", "eligible", "terms_torch"]
+__all__ = ["Changes", "find_changes", "find_changes_many", "change_terms", "change_terms_many", "warm", "fold",
+           "eligible", "terms_torch"]
 
 log = logging.getLogger(__name__)
 
