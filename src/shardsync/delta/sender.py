@@ -8,11 +8,11 @@ chunk whose payload does not fit in what is left goes dense (``delta_too_large``
 chunk once, plus its undo journal, together ``delta_budget_bytes``; default the chunks and an eighth more; allocated
 at the first chunk some member may read as a delta) and the delta areas (a quarter of the dense ring).
 
-Per version (``ProducerSync``): ``begin`` before the first pack; after a unit is packed (on the publisher, after
+Per version (``ProducerSync``): ``begin`` before the first pack; after a group is packed (on the publisher, after
 the pack's event: its host syncs are not on the serving thread) :meth:`offer` encodes its chunks together and,
-where the history held a base and a delta is smaller than dense, writes each payload into the delta area and returns
-the wire entry for ``Ready.deltas``; ``commit`` when the version completed, ``rollback`` when it failed (a failed version
-never becomes a base). The dense bytes stay in the ring: each consumer chooses (``receiver.py``).
+where the history held a base and a delta is smaller than dense, writes each payload into the delta area and
+returns the wire entry for ``Ready.deltas``; ``commit`` when the version completed, ``rollback`` when it failed (a
+failed version never becomes a base). The dense bytes stay in the ring: each consumer chooses (``receiver.py``).
 
 Wire entry (``Ready.deltas``, one per chunk offered as a delta, at most one per announced chunk)::
 

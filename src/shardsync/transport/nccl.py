@@ -112,8 +112,9 @@ class NcclTransport:
                                  "serves CPU buffers)")
         if self._server is not None:  # serving already: the buffer replaces the one retired (same port, same pairs)
             if self._buf is not None or buf.device != self._device:
-                raise TransportError(f"nccl: registers one buffer at a time on one device (have "
-                                     f"{'one' if self._buf is not None else 'none'} on {self._device}; retire it first)")
+                have = "one" if self._buf is not None else "none"
+                raise TransportError(f"nccl: registers one buffer at a time on one device (have {have} on "
+                                     f"{self._device}; retire it first)")
             self._buf = buf
             return {**self._desc, "nbytes": buf.numel()}
         self._buf, self._device = buf, buf.device
