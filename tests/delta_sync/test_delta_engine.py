@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from types import SimpleNamespace
 
+from hypothesis import given, settings, strategies as st
 import pytest
 import torch
 
@@ -326,3 +327,29 @@ def test_a_host_history_beside_a_ring_keeps_its_bases_in_host_memory_and_encodes
     assert entries[0] == entries[1] and entries[0] is not None
     assert host.history.device.type == "cpu" and host.stats()["delta_history_device"].startswith("cpu")
     assert host.history.pinned == torch.cuda.is_available()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 200)), max_size=30), st.integers(1, 2048))
+def test_the_consumers_payload_batches_fit_their_staging_and_keep_every_delta_once(raw, room) -> None:
+    """``receiver._batches`` on whatever offsets and sizes a producer announces (payloads side by side, apart, out of
+    order, overlapping): every delta comes out once and in order, each batch's runs fit the staging buffer without
+    overlapping, a run's deltas lie side by side at the producer in increasing order, and each run starts aligned."""
+    from shardsync.delta.receiver import _batches, _Delta
+    from shardsync.plan.pack import ALIGN
+
+    deltas = [_Delta((i,), 0, None, off, None, min(size, room)) for i, (off, size) in enumerate(raw)]
+    seen = []
+    for runs in _batches(deltas, room):
+        used = []
+        for off, at, ds in runs:
+            assert at % ALIGN == 0 and ds[0].offset == off
+            span = ds[-1].offset + ds[-1].size - off
+            assert at + span <= room
+            for a, b in zip(ds, ds[1:]):
+                assert 0 <= b.offset - (a.offset + a.size) < ALIGN
+            used.append((at, at + span))
+            seen += [d.row[0] for d in ds]
+        used.sort()
+        assert all(a[1] <= b[0] for a, b in zip(used, used[1:]))
+    assert seen == list(range(len(deltas)))

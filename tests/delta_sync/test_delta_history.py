@@ -199,3 +199,56 @@ def test_rollback_keeps_the_base_when_many_words_changed(frac: float) -> None:
     assert h.encode(key, new).header.kind == codec.BITMAP
     h.rollback()
     assert torch.equal(h.held(key), old) and h.version(key) == 1
+
+
+def test_a_group_encoded_at_once_equals_its_chunks_encoded_one_by_one() -> None:
+    """``encode_many`` (a group's chunks together: one host sync on a GPU) gives each chunk the header and payload
+    bytes ``encode`` gives it alone, places the payloads one after another in the area, refuses a chunk twice, and
+    leaves the same bases; a rollback restores them all."""
+    from shardsync.plan.pack import ALIGN
+
+    one, many = (DeltaHistory(KEYS, budget_bytes=4 * 9216) for _ in range(2))
+    v1 = {k: _bytes(n, i) for i, (k, n) in enumerate(KEYS.items())}
+    for h in (one, many):
+        h.begin(1)
+        for k, t in v1.items():
+            h.encode(k, t, checksum=True)
+        h.commit(1)
+    v2 = {k: _step(t, f, 7) for (k, t), f in zip(v1.items(), (0.001, 0.02, 0.9))}
+    one.begin(2)
+    singles = [one.encode(k, t, checksum=True) for k, t in v2.items()]
+    many.begin(2)
+    area = torch.zeros(8192, dtype=torch.uint8)
+    got = many.encode_many([(k, t, True) for k, t in v2.items()], area=area)
+    pos = 0
+    for k, a, (b, at) in zip(KEYS, singles, got):
+        assert a.header == b.header
+        if a.header.kind == codec.DENSE:
+            assert at is None and b.payload.data_ptr() == v2[k].data_ptr()  # dense: the chunk itself
+        else:
+            assert at == pos and torch.equal(a.payload, area[at: at + a.payload.numel()])
+            pos = (at + a.payload.numel() + ALIGN - 1) // ALIGN * ALIGN
+    assert [g[0].header.kind for g in got] == [codec.PAIRS, codec.BITMAP, codec.DENSE]
+    for k in KEYS:
+        assert torch.equal(one.held(k), many.held(k)) and torch.equal(many.held(k), v2[k])
+    many.rollback()
+    for k in KEYS:
+        assert torch.equal(many.held(k), v1[k]) and many.version(k) == 1
+    many.begin(3)
+    with pytest.raises(DeltaError, match="twice"):
+        many.encode_many([(k, v2[k], True) for k in (list(KEYS)[0],) * 2])
+
+
+def test_a_delta_with_no_room_left_in_the_area_goes_dense_and_still_becomes_the_base() -> None:
+    h = DeltaHistory(KEYS, budget_bytes=4 * 9216)
+    v1 = {k: _bytes(n, i) for i, (k, n) in enumerate(KEYS.items())}
+    h.begin(1)
+    h.encode_many([(k, t, False) for k, t in v1.items()])
+    h.commit(1)
+    v2 = {k: _step(t, 0.05, 3) for k, t in v1.items()}
+    h.begin(2)
+    area = torch.full((64,), 5, dtype=torch.uint8)  # room for no payload of these
+    got = h.encode_many([(k, t, True) for k, t in v2.items()], area=area)
+    assert all(e.header.kind == codec.DENSE and at is None for e, at in got) and int(area.sum()) == 5 * 64
+    h.commit(2)
+    assert all(torch.equal(h.held(k), v2[k]) and h.version(k) == 2 for k in KEYS)
