@@ -340,7 +340,8 @@ def summary(res: dict) -> dict:
               if (r := res.get(n)) and r.get("sync_s")}
     out: dict = {"steady_sync_s": steady, "copy_floor_s": floor}
     d, dense = res.get("shardsync", {}), res.get("dense", {})
-    if d.get("changed") and dense.get("sync_s"):  # delta vs dense at each fraction: medians over its versions
+    if d.get("changed") and dense.get("sync_s"):  # delta vs dense at each fraction: medians over its versions, and
+        # its last version alone (the first delta sync at a fraction also hashes chunks no stored hash covers yet)
         out["delta"] = {}
         for f in sorted({c for c in d["changed"] if c is not None}):
             at = [i for i, c in enumerate(d["changed"]) if c == f]
@@ -349,7 +350,9 @@ def summary(res: dict) -> dict:
             out["delta"][f"{f:g}"] = {"delta_sync_s": ds, "dense_sync_s": ns, "delta_over_dense": round(ds / ns, 2),
                                       "delta_wire_bytes": med([d["wire_bytes"][i] for i in at]),
                                       "dense_wire_bytes": med([dense["wire_bytes"][i] for i in at]),
-                                      "versions": len(at)}
+                                      "versions": len(at), "last_delta_sync_s": d["sync_s"][at[-1]],
+                                      "last_dense_sync_s": dense["sync_s"][at[-1]],
+                                      "last_over_dense": round(d["sync_s"][at[-1]] / dense["sync_s"][at[-1]], 2)}
     if floor:
         out["x_copy_floor"] = {n: round(t / floor, 1) for n, t in steady.items()}
     if "ipc" in steady:
