@@ -52,7 +52,8 @@ class GroupSettings:
     hash of every byte on both sides (``benchmarks/checksum_cost.py``)."""
     delta: bool | str = False
     """Delta sync (``delta/``, ``docs/delta.md``): producers offer the words that changed since the version a
-    consumer holds beside the dense bytes; consumers keep a held copy and read only the changes — where it pays.
+    consumer holds beside the dense bytes; consumers keep a held copy (none of the chunks an engine writes as they
+    come: ``Consumer(read_back=)``, the parameters are the base) and read only the changes — where it pays.
     ``True``: a consumer that maps a producer's ring on its own device (colocated, ``cuda_ipc``: the dense read runs
     at memory speed) reads that producer dense, with no held copy, and a producer encodes only chunks some member
     reads as deltas. ``"always"``: every delta consumer reads deltas from every producer. Costs, on the ring's device:

@@ -77,6 +77,47 @@ def test_delta_sync_exact_small_heals_restarts_and_rolls_back() -> None:
             assert c["delta_dense_chunks"] == 0 and c["bytes_received"] * 10 <= dense[k], c
 
 
+@pytest.mark.procs
+def test_delta_bases_read_back_from_the_parameters_keep_no_held_copy_and_heal() -> None:
+    """``Consumer(read_back=)`` (a zoo rank: nothing processes its parameters): every chunk is live, so the consumer
+    holds no copy of the model, only receive slots; each delta's base is packed again from the parameters. Exact
+    on deltas; a payload flipped in transit, a failed version and weights changed behind the sync's back (the
+    parameters are not the base the producer encoded against) all heal with the dense bytes."""
+    spec = {"kind": "zoo", "cfg": asdict(CFG), "changed": 0.002}
+    with LocalCluster(CFG, producers=2, replicas=1, tp=2, lease_s=LEASE, timeout_s=8 * LEASE,
+                      max_chunk_bytes=32 << 10, spec=spec, delta=True, consumer_extra={"read_back": True}) as cl:
+        r = cl.sync(1)
+        assert r["exact"], _why(r)
+        dense = {k: c["bytes_received"] for k, c in _by(r).items()}
+        for c in r["consumers"]:
+            assert c["delta_held_bytes"] == 0 and c["delta_live_bytes"] >= c["plan_bytes"] > 0, c  # + alignment
+            assert 0 < c["recv_bytes"] < c["plan_bytes"], c  # slots, bounded: not a second model
+        for v in (2, 3):
+            r = cl.sync(v)
+            assert r["exact"], _why(r)
+            for k, c in _by(r).items():
+                assert c["delta_chunks"] > 0 and c["delta_dense_chunks"] == 0 and c["delta_heals"] == 0, c
+                assert c["bytes_received"] * 10 <= dense[k], (k, c["bytes_received"], dense[k])
+
+        r = cl.sync(4, faults={"r0/tp0": {"flip_at_chunk": 1}})
+        assert r["exact"], _why(r)
+        assert _by(r)["r0/tp0"]["delta_heals"] == 1 and _by(r)["r0/tp1"]["delta_heals"] == 0
+
+        r = cl.sync(5, faults={"r0/tp1": {"poke_params": True}})
+        assert r["exact"], _why(r)
+        poked = _by(r)["r0/tp1"]
+        assert poked["delta_heals"] > 0 and poked["delta_heals"] == poked["delta_dense_chunks"], poked
+
+        r = cl.sync(6, faults={1: {"die_after_groups": 1}}, tolerate=True)
+        assert not r["exact"]
+        cl.restart(1)
+        for v in (7, 8):
+            r = cl.sync(v)
+            assert r["exact"], _why(r)
+        for k, c in _by(r).items():  # back on deltas from both producers
+            assert c["delta_dense_chunks"] == 0 and c["delta_heals"] == 0 and c["bytes_received"] * 10 <= dense[k], c
+
+
 def _layout() -> GroupLayout:
     c0 = Chunk(index=0, start=0, nbytes=4096, first=0, stop=1)
     c1 = Chunk(index=1, start=4096, nbytes=1000, first=1, stop=2)

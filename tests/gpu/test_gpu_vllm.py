@@ -89,6 +89,8 @@ def test_synced_gpu_engine_equals_a_fresh_gpu_engine(runs, model: str, flags: li
         d, w = s["delta"], s["delta_worker"]
         assert d["delta_offered"] > 0 and w["delta_chunks"] > 0 and w["delta_heals"] == 0, (d, w)
         assert 0 < w["bytes_received"] * 4 < s["bytes"], (w, s["bytes"])
+        # the directly written layers are the deltas' base: no held copy of them (most of the model on a GPU)
+        assert w["delta_live_bytes"] > w["delta_held_bytes"] and w["delta_live_chunks"] > 0, w
     elif "--delta" in flags:  # colocated: nothing encoded, no bases held, no held copy on the worker
         d, w = s["delta"], s["delta_worker"]
         assert d["delta_offered"] == 0 and d["delta_skipped"] > 0 and d["delta_history_bytes"] == 0, d

@@ -13,8 +13,13 @@ transport read and its puller's checks, so this module needs no engine):
 - else (first sync, restarted, rejoined after a missed version, torn, no delta offered): read the dense bytes
   into the held copy (``delta_dense_chunks``).
 
-The group is then applied from the held copy (a :class:`~shardsync.plan.pack.ChunkParts`; no receive slots, no
-direct reads). Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
+The group is then applied from the held copy (a :class:`~shardsync.plan.pack.ChunkParts`; no direct reads).
+
+**Live chunks.** Where the engine's parameters hold a chunk's bytes as they were written (a layer written directly,
+each scatter's region its own: ``plan/readback.py``; ``Consumer(read_back=)``), the chunk is not held here at all
+(``delta_live_bytes``, not in ``delta_held_bytes``): each sync it lands in the group's receive slot, and a delta's
+base is first packed again from the parameters there. Its bytes are hashed whole for each delta's check (the
+parameters are the engine's: nothing here could tell a change it did not make). Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
 a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read is dense.
 """
 
@@ -43,20 +48,34 @@ that are not the producer's."""
 class HeldChunks:
     """The consumer's chunks at the versions it completed (see the module docstring)."""
 
-    def __init__(self, layouts: dict[str, GroupLayout], *, device: torch.device):
+    def __init__(self, layouts: dict[str, GroupLayout], *, device: torch.device, read_back: Any = None):
         self.layouts, self.device = layouts, device
+        self.read_back = read_back
+        """The engine's parameters as the base of the chunks they hold (``plan/readback.ParamsReadBack``: its
+        ``readable`` scatters and ``read_back(group, chunk, dst)``), or None: every chunk is held here."""
+        readable = getattr(read_back, "readable", None) or {}
+        self.live: frozenset[tuple[str, int]] = frozenset(
+            (g, c.index) for g, lay in layouts.items() for c in lay.chunks
+            if c.stop > c.first and all(i in readable.get(g, ()) for i in range(c.first, c.stop)))
+        """Chunks not held here: each sync lands them in a receive slot, a delta's base read back from the
+        parameters first (``read_back``)."""
         self.offsets: dict[tuple[str, int], tuple[int, int]] = {}
+        self.sizes: dict[tuple[str, int], int] = {}
         need = 0
         for g, lay in layouts.items():
             for c in lay.chunks:
+                self.sizes[(g, c.index)] = c.nbytes
+                if (g, c.index) in self.live:
+                    continue
                 self.offsets[(g, c.index)] = (need, c.nbytes)
                 need += (c.nbytes + ALIGN - 1) // ALIGN * ALIGN
         self.arena = torch.zeros(need, dtype=torch.uint8, device=device)
-        self.largest = max((n for _, n in self.offsets.values()), default=0)
-        self.versions: dict[tuple[str, int], int | None] = dict.fromkeys(self.offsets)
-        self.hashes: dict[tuple[str, int], int | None] = dict.fromkeys(self.offsets)
+        self.largest = max(self.sizes.values(), default=0)
+        self.versions: dict[tuple[str, int], int | None] = dict.fromkeys(self.sizes)
+        self.hashes: dict[tuple[str, int], int | None] = dict.fromkeys(self.sizes)
         """The word hash of each chunk's held bytes where a delta's check established it: the next delta's check
-        folds it (``codec.apply_verified``) instead of hashing the chunk."""
+        folds it (``codec.apply_verified``) instead of hashing the chunk. Never for a live chunk: the parameters
+        are not this object's, so their bytes are hashed each time."""
         self._staging: dict[int, torch.Tensor] = {}
         self._staging_used: dict[int, Any] = {}  # producer -> CUDA event after the last work reading its staging
         self._touched: set[tuple[str, int]] = set()
@@ -71,8 +90,16 @@ class HeldChunks:
         return word_delta.warm(device)
 
     def view(self, group: str, ci: int) -> torch.Tensor:
+        """A held chunk's bytes (not a live one's: those land where the sink puts them)."""
         off, n = self.offsets[(group, ci)]
         return self.arena[off: off + n]
+
+    def is_live(self, group: str, ci: int) -> bool:
+        return (group, ci) in self.live
+
+    def base(self, group: str, ci: int, dst: torch.Tensor) -> None:
+        """A live chunk's delta base, the bytes the parameters hold, packed into ``dst`` (on the current stream)."""
+        self.read_back.read_back(group, self.layouts[group].chunks[ci], dst)
 
     def parts(self, group: str) -> ChunkParts:
         """What ``apply`` gets for ``group``: each chunk's held bytes."""
@@ -120,7 +147,7 @@ class HeldChunks:
     def written(self, group: str, ci: int, word_hash: int | None) -> None:
         """The chunk's bytes were written and checked: ``word_hash`` is their word hash (None: not known)."""
         with self._lock:
-            self.hashes[(group, ci)] = word_hash
+            self.hashes[(group, ci)] = None if (group, ci) in self.live else word_hash
 
     def count(self, **kw: int) -> None:
         with self._lock:
@@ -138,7 +165,8 @@ class HeldChunks:
         self._touched = set()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.counts, delta_held_bytes=self.arena.numel(),
+        return dict(self.counts, delta_held_bytes=self.arena.numel(), delta_live_chunks=len(self.live),
+                    delta_live_bytes=sum(self.sizes[k] for k in self.live),
                     delta_staging_bytes=sum(s.numel() for s in self._staging.values()))
 
 
@@ -172,7 +200,7 @@ def parse_offers(ready: Any, lay: GroupLayout, *, where: str) -> tuple[dict[int,
 
 
 def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[int, Any, int, int, int, bytes | None]],
-              *, fetch: Fetch, verify: Verify, where: str) -> int:
+              *, fetch: Fetch, verify: Verify, where: str, place: Callable[[int], torch.Tensor] | None = None) -> int:
     """Producer ``p``'s chunks of ``ready.group`` into the held copy, each as a delta where one applies to the
     version held, else dense; returns the bytes read (the wire bytes).
 
@@ -184,7 +212,8 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     ``fetch(offset, nbytes, dst, payload=False)``: read bytes of producer ``p``'s buffer (its errors are the reader's
     to type; with ``payload``, a delta's: a ``DeltaError`` where it cannot be read, healed with the dense bytes);
     ``verify(data, checksum, tag, group, chunk[, hashed=])``: the chunk's own checksum or keyed tag (ChecksumError);
-    ``where``: who reads what, for errors."""
+    ``where``: who reads what, for errors; ``place(chunk index)``: where a live chunk (``HeldChunks.live``) lands
+    this sync — its delta's base is read back from the parameters there first."""
     group = ready.group
     offers, rejected = parse_offers(ready, held.layouts[group], where=where)
     held.count(delta_rejected=rejected, delta_heals=rejected)
@@ -192,10 +221,15 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     deltas: list[_Delta] = []
     dense: list[tuple] = []
     for ci, _, off, n, checksum, tag in announced:
-        row = (ci, off, n, checksum, tag, held.view(group, ci))
+        live = held.is_live(group, ci)
+        if live and place is None:
+            raise SyncError(f"{where}: chunk {ci} is not held here and its reader gave no place for it")
+        row = (ci, off, n, checksum, tag, place(ci) if live else held.view(group, ci))
         have, have_hash = held.touch(group, ci)
         offer = offers.get(ci)
         if offer is not None and have is not None and offer[1].base == have:
+            if live:
+                held.base(group, ci, row[5])
             deltas.append(_Delta(row, have, have_hash, offer[0], offer[1],
                                  codec.payload_nbytes(offer[1].kind, n, offer[1].count)))
         else:

@@ -323,6 +323,26 @@ class GroupUnpacker:
             else:
                 rp.run(lambda s=steps: _run_steps(s), device=tensors[0].device)
 
+    def read_back(self, params: Mapping[str, torch.Tensor], buf: torch.Tensor, chunk: Chunk, *, base: int = 0) -> None:
+        """The inverse of ``unpack`` for one chunk: its slices copied out of ``params`` into ``buf`` (whose byte 0 is
+        group byte ``base``) and its alignment gaps zeroed — the bytes a delta producer packs (it zeroes gaps too).
+        Exact only where each scatter's region is its own (``plan/readback.py`` decides that)."""
+        off, sc = self.layout.offsets, self.g.scatters
+        dsts, srcs, gaps = [], [], []
+        end = chunk.start
+        for i in range(chunk.first, chunk.stop):
+            s = sc[i]
+            if off[i] > end:
+                gaps.append(buf[end - base: off[i] - base])
+            dsts.append(_packed_view(buf, off[i] - base, s))
+            srcs.append(dst_view(_param(params, s.dst, self.g.name), s))
+            end = off[i] + s.nbytes
+        with torch.no_grad():
+            if gaps:
+                torch._foreach_zero_(gaps)
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
+
     def _dests(self, c: Chunk) -> list[str]:
         key = (c.first, c.stop)
         d = self._dsts.get(key)

@@ -104,6 +104,8 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
             exact = all(_exact(c, v) for c in checks)
             row = {"version": v, "seconds": round(seconds, 4), "wire_bytes": sum(g["wire_bytes"] for g in got),
                    "applied_bytes": sum(g["bytes_received"] for g in got), "exact": exact,
+                   "held_bytes": _sum(g.get("delta_held_bytes") for g in got),
+                   "live_bytes": _sum(g.get("delta_live_bytes") for g in got),
                    "producer_delta_offered": prod.get("delta_offered"),
                    "producer_delta_payload_bytes": prod.get("delta_payload_bytes")}
             if fresh_engine_at_end and v == versions:
@@ -118,6 +120,11 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
             e.close()
         producer.close()
     return rows
+
+
+def _sum(xs: Any) -> int | None:
+    got = list(xs)
+    return None if None in got else sum(got)
 
 
 def run_bench_delta(*, params: float | None = None, syncs: int = 4, lr: float = 1e-6, replicas: int = 1, tp: int = 1,

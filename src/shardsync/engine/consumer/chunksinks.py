@@ -169,16 +169,28 @@ class DirectSink:
 
 class HeldSink:
     """Delta sync: producer ``p``'s chunks into the held copy (``delta/receiver.read_held``: a delta against the
-    version held where the producer offers one, else the dense bytes); released right after the read."""
+    version held where the producer offers one, else the dense bytes); released right after the read. A live chunk
+    (``HeldChunks.live``: its base is the engine's parameters) lands in the group's receive slot instead."""
 
     holds_ring = False
     wants_sources = False
     takes_deltas = True
     sourced = 0
 
-    def __init__(self, ctx: PullContext, p: int, version: int, held: HeldChunks):
-        self.ctx, self.p, self.version, self.held = ctx, p, version, held
+    def __init__(self, ctx: PullContext, p: int, version: int, held: HeldChunks, slots: SlotPool | None = None):
+        self.ctx, self.p, self.version, self.held, self.slots = ctx, p, version, held, slots
         self.parts = _Landed()
+
+    def dst(self, group: str, ci: int) -> torch.Tensor:
+        """Where chunk ``ci`` of ``group`` lands: the held copy, or (live) its place in the group's receive slot."""
+        if not self.held.is_live(group, ci):
+            return self.held.view(group, ci)
+        if self.slots is None:
+            raise SyncError(f"consumer {self.ctx.id}: chunk {ci} of {group!r} is read back from the parameters and "
+                            "this sync has no receive slot for it")
+        ch = self.ctx.layouts[group].chunks[ci]
+        buf = self.slots.acquire(group, what=f"group {group!r} of version {self.version}")
+        return buf[ch.start: ch.start + ch.nbytes]
 
     def read(self, ready: m.Ready, check: ChunkCheck) -> int:
         ctx, p, group = self.ctx, self.p, ready.group
@@ -194,19 +206,20 @@ class HeldSink:
                 raise ctx.lost(p, self.version, group, e) from None  # own read says whether the producer is lost
 
         got = read_held(self.held, p, ready, check.announced(ready), fetch=fetch, verify=check.verify,
-                        where=f"consumer {ctx.id}: producer {p}, group {group!r}, version {self.version}")
+                        where=f"consumer {ctx.id}: producer {p}, group {group!r}, version {self.version}",
+                        place=lambda ci: self.dst(group, ci))
         self.note(group, [x[0] for x in ready.chunks])
         return got
 
     def note(self, group: str, indices: list[int]) -> None:
         chunks = self.ctx.layouts[group].chunks
-        self.parts.add(group, [(chunks[ci], self.held.view(group, ci)) for ci in indices])
+        self.parts.add(group, [(chunks[ci], self.dst(group, ci)) for ci in indices])
 
     def landed(self, group: str) -> Placed:
         return self.parts.pop(group)
 
     def place_sources(self, group: str, chunks: list[tuple[int, Chunk]], full: Sources, pack: Pack) -> None:
-        dsts = [(ch, self.held.view(group, ci)) for ci, ch in chunks]  # the chunks' dense bytes into the held copy
+        dsts = [(ch, self.dst(group, ci)) for ci, ch in chunks]  # the chunks' dense bytes into the held copy
         for ci, _ in chunks:
             self.held.touch(group, ci)
         pack(dsts)
@@ -220,7 +233,7 @@ def choose_sink(ctx: PullContext, p: int, version: int, *, ring: Any, slots: Slo
     its mapped ring (``ring``: the consumer reads it directly), else a receive slot; wrapped for source reads."""
     inner: PathSink
     if held is not None:
-        inner = HeldSink(ctx, p, version, held)
+        inner = HeldSink(ctx, p, version, held, slots)
     elif ring is not None:
         inner = DirectSink(ctx, p, version, ring)
     else:

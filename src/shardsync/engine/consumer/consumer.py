@@ -73,7 +73,7 @@ class Consumer:
     def __init__(self, consumer_id: str, coordinator: list[Any] | str, *, record: RecordFn, apply: ApplyFn,
                  settings: GroupSettings | None = None, recv_slots: int = 4, recv_budget_bytes: int | None = None,
                  parallel_producers: bool = True, device: str | None = None, node: str = "",
-                 direct_reads: bool | None = None, **group: Any):
+                 direct_reads: bool | None = None, read_back: Callable[[Plan], Any] | None = None, **group: Any):
         """``settings``: the group's (``config.GroupSettings``); ``group``: any of its fields by keyword (on top of
         ``settings``; old names such as ``require_mac`` accepted). ``transport`` may also be a ``Transport``."""
         found, unknown = split_settings(group, where=f"Consumer {consumer_id!r}", base=settings)
@@ -127,6 +127,11 @@ class Consumer:
         that reads some producer's deltas) and read only the changed words where a producer offers them against the
         version held. With ``True`` a producer whose ring this consumer maps on its own device is read dense,
         directly (memory speed beats decoding); ``"always"`` reads every producer's deltas."""
+        self.read_back = read_back
+        """Delta sync into an engine that writes some parameters as they come (no processing after the copy):
+        ``read_back(plan)`` gives what can be read back of them (``plan/readback.ParamsReadBack``: ``readable``
+        scatters, ``read_back(group, chunk, dst)``), or None. Those chunks keep no held copy: a delta's base is packed
+        again from the parameters, into a receive slot (``delta/receiver.py``, live chunks)."""
         self.sources: SourceOpener | None = None
         """Source reads (``engine/source_reads/source_open.py``): the producers' tensors mapped here, when the transport can."""
         self.held: HeldChunks | None = None
@@ -349,9 +354,10 @@ class Consumer:
         direct = self._direct(producers) if self.delta != "always" else {}
         via_ring = [p for p in producers if p not in direct]  # read through receive slots, or as deltas
         if self.delta and via_ring and self.held is None:
-            self.held = HeldChunks(self.layouts, device=self.lane.device)
+            rb = self.read_back(self.plan) if self.read_back is not None else None
+            self.held = HeldChunks(self.layouts, device=self.lane.device, read_back=rb)
             self.held.begin()
-        if not self.delta and not self.slots and via_ring:
+        if not self.slots and via_ring and (not self.delta or self.held is not None and self.held.live):
             n, size = self._slot_shape
             self.slots = [torch.empty(size, dtype=torch.uint8, device=self.lane.device) for _ in range(n)]
         ctx = self.pulls

@@ -9,7 +9,8 @@ flight.
 
 Memory: the receive tensors are one full copy of the model, allocated once (at the first update) on ``device`` and
 reused every update; a tensor handed out is valid until the next update overwrites it (the frameworks copy what
-they are given into their engine).
+they are given into their engine). With delta sync they are also the deltas' base: no held copy beside them (a
+tensor changed in place by its reader is noticed by the delta's check and read dense).
 
     rx = Receiver("rollout0", coordinator, settings=GroupSettings(token=token, timeout_s=60))
     rx.start(version=1)                   # consumer init (first time) + sync in a background thread
@@ -29,6 +30,7 @@ from ...config import GroupSettings
 from .consumer import Consumer
 from ...errors import SyncError, TransportError
 from ...plan.pack import GroupUnpacker
+from ...plan.readback import ParamsReadBack
 from ...plan.record import record_plan
 from ...plan.split import split_to_budget
 from ...types import ParamMeta, Plan, dtype_of
@@ -49,7 +51,8 @@ class Receiver:
         self._thread: threading.Thread | None = None
         self.stats: dict[str, Any] = {}
         self.consumer = Consumer(consumer_id, coordinator, record=self._record, apply=self._apply, settings=settings,
-                                 recv_slots=recv_slots, device=device)
+                                 recv_slots=recv_slots, device=device,
+                                 read_back=lambda plan: ParamsReadBack(plan, self.tensors, self.tensors.keys()))
         self._inited = False
 
     # ---------------------------------------------------------------- the consumer's two callbacks

@@ -27,6 +27,7 @@ from torch import nn
 from ...plan.coverage import check_coverage
 from ...errors import CoverageError, PlanError, ShardsyncError, SyncError, UnsupportedLoaderOp
 from ...plan.pack import GroupUnpacker, layout_group
+from ...plan.readback import ParamsReadBack
 from ...plan.record import record_plan
 from ...types import FALLBACK_PREFIX, ParamMeta, Plan, dtype_of
 from ...plan.validate import load_fallbacks, validate_group
@@ -364,6 +365,18 @@ class LayerApplier:
                                  for s in g.scatters if s.dst.startswith(FALLBACK_PREFIX)} for g in plan.groups}
         self.layouts = {g.name: layout_group(g) for g in plan.groups}
         self.unpackers = {g.name: GroupUnpacker(g, self.layouts[g.name]) for g in plan.groups}
+
+    def read_back(self, keep_out: Sequence[str] = ()) -> ParamsReadBack:
+        """The direct modules' tensors as a delta's base (``plan/readback.py``), judged now (at init: every tensor
+        live, no update window open): eligible are the direct modules' own tensors that share no storage with a
+        module this applier processes or vLLM reloads (``keep_out``: an attention layer's finalize, a tied partner)."""
+        written = {m for mods in self.group_mods.values() for m in mods}
+        every = {n: t for m in written for n, t in _own_tensors(self.model, m).items()}
+        others = {t.untyped_storage().data_ptr() for m in (written - self.direct) | set(keep_out)
+                  for t in _own_tensors(self.model, m).values()}
+        direct = {n: t for tensors in self.live_tensors.values() for n, t in tensors.items()}
+        eligible = [n for n, t in direct.items() if t.untyped_storage().data_ptr() not in others]
+        return ParamsReadBack(self.plan, {**every, **direct}, eligible)
 
     def apply(self, group: str, buf: torch.Tensor) -> None:
         layerwise, _, _ = _reload()

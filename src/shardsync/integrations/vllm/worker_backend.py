@@ -175,6 +175,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.last_status: dict[str, Any] = {}
         """What the last window (or init) reported: the status file's content (``seconds``: the update window)."""
         self.applier: LayerApplier | None = None
+        self.live_base: Any = None
+        """Delta sync: the directly written tensors a delta's base is read back from (no held copy of them)."""
         self.processor: FreshProcessor | None = None
         self.direct: list[str] = []
         """Modules a sync writes straight into their live tensors (``layerwise.direct_modules``)."""
@@ -241,6 +243,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.not_direct = {m: why for m, why in direct.items() if why}
         self.reloaded = reloaded_modules(self.model, self.plan, self.direct, aliases)
         self.applier = LayerApplier(self.model, self.plan, direct=self.direct)
+        self.live_base = self.applier.read_back(keep_out=self.reloaded) if self.consumer.delta else None
         self.held.set_groups(g.name for g in self.plan.groups)  # a re-init keeps what each group holds
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
@@ -279,7 +282,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
 
         self.consumer = Consumer(consumer, init_info.coordinator, record=record, apply=self._apply,
                                  settings=settings_of(init_info), recv_budget_bytes=init_info.recv_budget_bytes,
-                                 device=_recv_device(init_info, self.device))
+                                 device=_recv_device(init_info, self.device), read_back=self._read_back)
         try:
             return self.consumer.init()
         except BaseException:  # no half-connected consumer (heartbeat, sockets) outlives a failed init
@@ -311,6 +314,11 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.receive_weights(self.parse_update_info(update_info))
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
+
+    def _read_back(self, plan: Any) -> Any:
+        """The consumer's ``read_back``: the live base judged at init, for the plan it was judged on."""
+        base = self.live_base
+        return base if base is not None and base.plan is plan else None
 
     def _apply(self, group: str, buf: torch.Tensor) -> None:
         """Scatter one group into the layerwise buffers and process the layers it completes (on the
@@ -451,7 +459,7 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         consumer, self.consumer = self.consumer, None
         if consumer is not None:
             _close_bounded(consumer, goodbye=not self._peer_failed, rank=self.rank)
-        self.applier = None
+        self.applier = self.live_base = None
         self.processor = None
         self.plan = None
         self.owner, self._floor = None, None

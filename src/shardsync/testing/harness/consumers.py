@@ -18,6 +18,7 @@ import torch
 
 from ...engine.inprocess import LocalConsumer
 from ...plan.pack import GroupUnpacker, layout_group
+from ...plan.readback import ParamsReadBack
 from ...plan.record import record_plan
 from ...plan.split import split_to_budget
 from ...plan.validate import mismatched
@@ -71,6 +72,11 @@ class ZooConsumer:
             g = self.plan.group(group)
             self.unpackers[group] = GroupUnpacker(g, layout_group(g))
         return self.unpackers[group]
+
+    def read_back(self, plan: Plan) -> ParamsReadBack:
+        """``Consumer(read_back=)``: nothing processes a zoo rank's parameters after the copy, so every one whose
+        regions are its own is a delta's base (``plan/readback.py``)."""
+        return ParamsReadBack(plan, self.params, self.params.keys())
 
     def apply(self, group: str, buf: torch.Tensor) -> None:
         self.unpacker(group).unpack(buf, self.params)

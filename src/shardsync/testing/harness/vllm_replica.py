@@ -104,7 +104,8 @@ class VllmEngine:
             err = f"{type(e).__name__}: {e}"[:1500]
         return {"ok": err is None, "version": version, "weight_version": self.weight_version(), "error": err,
                 "seconds": time.perf_counter() - t0, "bytes_received": self.bytes_received(),
-                "wire_bytes": self.wire_bytes()}
+                "wire_bytes": self.wire_bytes(), "delta_held_bytes": self.wire_bytes("delta_held_bytes"),
+                "delta_live_bytes": self.wire_bytes("delta_live_bytes")}
 
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
@@ -124,9 +125,10 @@ class VllmEngine:
         got = [s.get("bytes_received") for s in self.status()]
         return None if None in got else sum(got)
 
-    def wire_bytes(self) -> int | None:
-        """Bytes its workers read in the last sync (with delta sync: payloads plus dense reads)."""
-        got = [s.get("wire", {}).get("bytes_received") for s in self.status()]
+    def wire_bytes(self, key: str = "bytes_received") -> int | None:
+        """Bytes its workers read in the last sync (with delta sync: payloads plus dense reads); ``key``: another of
+        their wire counters summed (``delta_held_bytes``: the held copy; ``delta_live_bytes``: chunks read back)."""
+        got = [s.get("wire", {}).get(key) for s in self.status()]
         return None if None in got else sum(got)
 
     # ------------------------------------------------------------------ serving
