@@ -17,7 +17,7 @@ from shardsync.delta.codec import Encoded
 from shardsync.delta.history import DeltaHistory
 from shardsync.errors import DeltaFormatError, DeltaMismatch
 from shardsync.kernels import word_delta
-from shardsync.kernels.word_hash import fold, word_hash
+from shardsync.kernels.word_hash import fold, word_hash, word_hash_many, word_hash_reference
 
 
 def _pair(nbytes: int, changes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,6 +172,15 @@ def test_the_triton_kernels_agree_with_torch_under_the_interpreter() -> None:
     assert r.returncode == 0 and "kernels agree" in r.stdout, r.stderr[-3000:]
 
 
+def test_many_hashes_are_each_ones_hash() -> None:
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=g)
+    parts = [data, data[: 4096], data[8: 8 + 4096], data[3: 1003], data[: 5], data[:0]]
+    assert word_hash_many(parts) == [word_hash(x) for x in parts] == [word_hash_reference(bytes(x.tolist()))
+                                                                      for x in parts]
+    assert word_hash_many([]) == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_kernels_are_used_and_agree() -> None:
@@ -188,3 +197,5 @@ def test_cuda_kernels_are_used_and_agree() -> None:
     held = do.clone()
     assert codec.apply_verified(held, enc, base=1, held_hash=word_hash(do)) == enc.header.checksum
     assert torch.equal(held, dn)
+    parts = [dn, do[: 8 << 20], dn[8: (8 << 20) + 8], dn[3: 4099], do[: 6]]  # whole, aligned, unaligned, tails
+    assert word_hash_many(parts) == [word_hash(x) for x in parts]

@@ -18,8 +18,9 @@ The group is then applied from the held copy (a :class:`~shardsync.plan.pack.Chu
 **Live chunks.** Where the engine's parameters hold a chunk's bytes as they were written (a layer written directly,
 each scatter's region its own: ``plan/readback.py``; ``Consumer(read_back=)``), the chunk is not held here at all
 (``delta_live_bytes``, not in ``delta_held_bytes``): each sync it lands in the group's receive slot, and a delta's
-base is first packed again from the parameters there. Its bytes are hashed whole for each delta's check (the
-parameters are the engine's: nothing here could tell a change it did not make). Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
+base is first packed again from the parameters there. That base is hashed whole for each delta's check (a
+group's together; the parameters are the engine's: a stored hash could not tell a change it did not make), which
+then runs before writing, as for a held chunk. Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
 a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read is dense.
 """
 
@@ -34,6 +35,7 @@ from .sender import CODE_KIND, ENTRY_LEN
 from . import codec
 from ..errors import ChecksumError, DeltaError, SyncError
 from ..kernels import word_delta
+from ..kernels.word_hash import word_hash_many
 from ..plan.pack import ALIGN, ChunkParts, GroupLayout
 
 __all__ = ["HeldChunks", "read_held", "parse_offers"]
@@ -220,6 +222,7 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
     got = 0
     deltas: list[_Delta] = []
     dense: list[tuple] = []
+    bases: list[int] = []  # the deltas of live chunks whose base was read back
     for ci, _, off, n, checksum, tag in announced:
         live = held.is_live(group, ci)
         if live and place is None:
@@ -230,10 +233,15 @@ def read_held(held: HeldChunks, p: int, ready: Any, announced: Iterable[tuple[in
         if offer is not None and have is not None and offer[1].base == have:
             if live:
                 held.base(group, ci, row[5])
+                if offer[1].hash == codec.WORD:
+                    bases.append(len(deltas))
             deltas.append(_Delta(row, have, have_hash, offer[0], offer[1],
                                  codec.payload_nbytes(offer[1].kind, n, offer[1].count)))
         else:
             dense.append(row)
+    # the bases just read back, hashed together (one host sync): their checks then run before writing, as folded
+    for i, h in zip(bases, word_hash_many([deltas[i].row[5] for i in bases])):
+        deltas[i] = deltas[i]._replace(have_hash=h)
     for runs in _batches(deltas, held.largest):
         got += sum(d.size for run in runs for d in run[2])
         dense += _apply_deltas(held, p, group, runs, fetch, verify, where)

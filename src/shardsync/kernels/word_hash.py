@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-__all__ = ["word_hash", "warm", "word_hash_reference", "mix_terms", "fold", "G", "C1", "C2", "C3"]
+__all__ = ["word_hash", "word_hash_many", "warm", "word_hash_reference", "mix_terms", "fold", "G", "C1", "C2", "C3"]
 
 log = logging.getLogger(__name__)
 
@@ -169,3 +169,25 @@ def word_hash(t: torch.Tensor) -> int:
         tail = int.from_bytes(bytes(t[8 * b:].cpu().tolist()) + bytes(8 - n % 8), "little")
         total += _terms_sum(torch.tensor([_s64(tail)], dtype=torch.int64), b + 1)
     return _finish(total, n)
+
+
+def word_hash_many(ts: list[torch.Tensor]) -> list[int]:
+    """:func:`word_hash` of each of ``ts`` (a group's chunks): on a GPU every kernel is queued before one host sync;
+    a tensor the kernel does not take whole (off CUDA, a size or address not a multiple of 8) is hashed alone."""
+    out: list[int] = [0] * len(ts)
+    queued: list[tuple[int, torch.Tensor]] = []
+    for i, t in enumerate(ts):
+        _check(t)
+        n = t.numel()
+        if not (t.is_cuda and n and n % 8 == 0 and t.data_ptr() % 8 == 0 and _use_triton(t.device)):
+            out[i] = word_hash(t)
+            continue
+        words = t.view(torch.int64)
+        blocks = -(-words.numel() // _BLOCK)
+        part = torch.empty(blocks, dtype=torch.int64, device=t.device)
+        _triton()[(blocks,)](words, part, words.numel(), G, C1, C2, BLOCK=_BLOCK, num_warps=8)
+        queued.append((i, part.sum()))
+    if queued:
+        for (i, _), total in zip(queued, torch.stack([x for _, x in queued]).tolist()):
+            out[i] = _finish(total, ts[i].numel())
+    return out
