@@ -20,8 +20,10 @@ each scatter's region its own: ``plan/readback.py``; ``Consumer(read_back=)``), 
 (``delta_live_bytes``, not in ``delta_held_bytes``): each sync it lands in the group's receive slot, and a delta's
 base is first packed again from the parameters there. That base is hashed whole for each delta's check (a
 group's together; the parameters are the engine's: a stored hash could not tell a change it did not make), which
-then runs before writing, as for a held chunk. Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`);
-a failed sync leaves them unversioned (:meth:`HeldChunks.fail`): their next read is dense.
+then runs before writing, as for a held chunk.
+
+Every chunk written in a sync is unversioned until the sync completes (:meth:`HeldChunks.commit`); a failed sync
+leaves them unversioned (:meth:`HeldChunks.fail`): their next read is dense.
 """
 
 from __future__ import annotations
