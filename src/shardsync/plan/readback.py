@@ -63,26 +63,14 @@ def readable_scatters(plan: Plan, params: Mapping[str, torch.Tensor],
     if plan.fallback:
         return {}
     writes: dict[int, list[tuple[int, int, str, int]]] = defaultdict(list)
-    unknown = False
     for g in plan.groups:
-        for i, s in enumerate(g.scatters):
-            p = params.get(s.dst)
-            if p is None:
-                unknown = True
-                continue
-            ext = _extent(p, s)
+        for i, w in [*enumerate(g.scatters), *((-1, f) for f in g.fills)]:  # a fill: -1, never readable itself
+            p = params.get(w.dst)
+            if p is None:  # a write into a tensor not given: who else it touches is unknown
+                return {}
+            ext = _extent(p, w)
             if ext is not None:
                 writes[ext[0]].append((ext[1], ext[2], g.name, i))
-        for f in g.fills:
-            p = params.get(f.dst)
-            if p is None:
-                unknown = True
-                continue
-            ext = _extent(p, f)
-            if ext is not None:
-                writes[ext[0]].append((ext[1], ext[2], g.name, -1))
-    if unknown:
-        return {}
     ok: dict[str, set[int]] = defaultdict(set)
     for spans in writes.values():
         spans.sort()
