@@ -243,7 +243,8 @@ class ShardsyncEngine(WeightTransferEngine[ShardsyncInitInfo, ShardsyncUpdateInf
         self.not_direct = {m: why for m, why in direct.items() if why}
         self.reloaded = reloaded_modules(self.model, self.plan, self.direct, aliases)
         self.applier = LayerApplier(self.model, self.plan, direct=self.direct)
-        self.live_base = self.applier.read_back(keep_out=self.reloaded) if self.consumer.delta else None
+        delta = self.consumer is not None and self.consumer.delta  # (no consumer: the inspect-only path)
+        self.live_base = self.applier.read_back(keep_out=self.reloaded) if delta else None
         self.held.set_groups(g.name for g in self.plan.groups)  # a re-init keeps what each group holds
         self.plan_dir = init_info.plan_dir
         os.makedirs(self.plan_dir, exist_ok=True)
