@@ -33,7 +33,7 @@ def test_bench_delta_reads_fewer_bytes_and_every_sync_equals_a_fresh_load():
     assert delta[0]["wire_bytes"] == model and delta[0]["producer_delta_offered"] == 0  # first sync: no base
     for r in delta[1:]:  # later syncs: only payloads cross the wire; the engine still applies every byte
         assert r["applied_bytes"] == model and 0 < r["wire_bytes"] * 5 < model, r
-        # the directly written layers (on CPU vLLM: the norms) are the deltas' base themselves, not held twice
+        # the directly written layers are the deltas' base themselves, not held twice
         assert r["live_bytes"] > 0 and r["held_bytes"] + r["live_bytes"] >= model > r["held_bytes"], r
         assert r["producer_delta_payload_bytes"] == r["wire_bytes"], r
     assert out["dense_bytes"] == model and out["delta_bytes"] * 5 < model
