@@ -57,9 +57,8 @@ def _extent(param: torch.Tensor, w: Scatter | Fill) -> tuple[int, int, int] | No
 def readable_scatters(plan: Plan, params: Mapping[str, torch.Tensor],
                       eligible: Collection[str]) -> dict[str, frozenset[int]]:
     """Per group, the scatters whose bytes can be read back from ``params`` as they were written (the module
-    docstring's rules). ``params``: every parameter the plan writes (those missing make their writes unknown: no
-    scatter sharing a storage with them could be proved alone, so none of their storage's scatters is readable);
-    ``eligible``: the parameters nothing rewrites after the copy."""
+    docstring's rules). ``params``: every parameter the plan writes (one missing leaves its writes' bytes unknown, so
+    none is proved alone: the answer is empty); ``eligible``: the parameters nothing rewrites after the copy."""
     if plan.fallback:
         return {}
     writes: dict[int, list[tuple[int, int, str, int]]] = defaultdict(list)
