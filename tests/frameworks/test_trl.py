@@ -1,10 +1,10 @@
 """TRL's own ``GRPOTrainer`` on CPU with a tiny Llama, its colocated vLLM engine synced by shardsync
 (``shardsync.enable_trl()``): after every sync the engine equals a fresh load of the trainer's weights
-byte for byte (``check_fresh``) and generates the greedy tokens a FRESH engine started on those weights generates;
-the loss curve equals that of the same run synced by vLLM's own in-place reload (TRL's own ``load_weights`` loop does
-not run on CPU vLLM 0.32: its CPU linear layers drop ``weight_loader``). With a LoRA adapter (TRL merges, syncs,
-unmerges) the same holds. Each run is a process of its own (``trl_run.py``: TRL's ``LLM`` initialises
-torch.distributed in-process)."""
+byte for byte (``check_fresh``) and generates the greedy tokens a FRESH engine, started on those weights with the
+synced engine's arguments, generates; the loss curve equals that of the same run synced by vLLM's own in-place reload
+(TRL's own ``load_weights`` loop does not run on CPU vLLM 0.32: its CPU linear layers drop ``weight_loader``). With a
+LoRA adapter (TRL merges, syncs, unmerges) the same holds. Each run is a process of its own (``trl_run.py``: TRL's
+``LLM`` initialises torch.distributed in-process)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_grpo_trainer_synced_by_shardsync_is_exact_and_trains_as_vllms_reload(tm
     extra = ["--lora"] if lora else []
     ours = _run(tmp_path, "shardsync", "--sync", "shardsync", *extra)
     _exact_every_sync(ours, 3)
-    fresh = _run(tmp_path, "fresh", "--fresh", *[s["checkpoint"] for s in ours["syncs"]])["tokens"]
-    assert [s["tokens"] for s in ours["syncs"]] == fresh
+    fresh = _run(tmp_path, "fresh", "--engine", "colocate", "--fresh", *[s["checkpoint"] for s in ours["syncs"]])
+    assert [s["tokens"] for s in ours["syncs"]] == fresh["tokens"]
     theirs = _run(tmp_path, "reload", "--sync", "reload", *extra)
     assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
     assert [s["tokens"] for s in theirs["syncs"]] == [s["tokens"] for s in ours["syncs"]]
@@ -71,8 +71,8 @@ def test_grpo_trainer_in_server_mode_syncs_a_vllm_server_exactly(tmp_path) -> No
     finally:
         srv.stop()
     _exact_every_sync(ours, 3)
-    fresh = _run(tmp_path, "fresh", "--fresh", *[s["checkpoint"] for s in ours["syncs"]])["tokens"]
-    assert [s["tokens"] for s in ours["syncs"]] == fresh
+    fresh = _run(tmp_path, "fresh", "--engine", "server", "--fresh", *[s["checkpoint"] for s in ours["syncs"]])
+    assert [s["tokens"] for s in ours["syncs"]] == fresh["tokens"]
     assert srv.leftover == [], srv.leftover
 
 

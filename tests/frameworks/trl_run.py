@@ -37,13 +37,24 @@ def tiny_model(out: str) -> str:
     return out
 
 
-def fresh_tokens(checkpoints: list[str]) -> list[list[int]]:
-    """Greedy tokens of a FRESH engine started on each checkpoint (the standard a synced engine is held to)."""
+# The engine arguments of the synced engine, so that the fresh one runs the same kernels: a compiled and an eager
+# CPU engine may break a near-tie of greedy logits differently. ``colocate``: what TRL's ``VLLMGeneration`` passes
+# (compiled); ``server``: ``VllmServer`` (eager).
+ENGINES = {
+    "colocate": {"max_model_len": 64, "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 4096,
+                 "logprobs_mode": "processed_logprobs", "seed": 0},
+    "server": {"max_model_len": 64, "gpu_memory_utilization": 0.3, "enforce_eager": True},
+}
+
+
+def fresh_tokens(checkpoints: list[str], engine: str) -> list[list[int]]:
+    """Greedy tokens of a FRESH engine, configured as the synced one (``ENGINES``), started on each checkpoint (the
+    standard a synced engine is held to)."""
     from vllm import LLM, SamplingParams
 
     out = []
     for ckpt in checkpoints:
-        llm = LLM(model=ckpt, max_model_len=64, gpu_memory_utilization=0.3, enforce_eager=True)
+        llm = LLM(model=ckpt, **ENGINES[engine])
         r = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0.0, max_tokens=8),
                          use_tqdm=False)
         out.append(list(r[0].outputs[0].token_ids))
@@ -58,6 +69,7 @@ PROMPT = [1, 30, 31, 32]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fresh", nargs="*", default=None, help="only: greedy tokens of fresh engines on these")
+    ap.add_argument("--engine", choices=tuple(ENGINES), default="colocate", help="with --fresh: configured as")
     ap.add_argument("--sync", choices=("shardsync", "reload"))
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--server", default="", help="vllm_mode='server': the URL of a `vllm serve` with shardsync")
@@ -69,7 +81,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.fresh is not None:
         with open(args.out, "w") as f:
-            json.dump({"tokens": fresh_tokens(args.fresh)}, f)
+            json.dump({"tokens": fresh_tokens(args.fresh, args.engine)}, f)
         sys.stdout.flush()
         os._exit(0)
     from datasets import Dataset
