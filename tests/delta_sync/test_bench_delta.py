@@ -36,5 +36,6 @@ def test_bench_delta_reads_fewer_bytes_and_every_sync_equals_a_fresh_load():
         # the directly written layers are the deltas' base themselves, not held twice
         assert r["live_bytes"] > 0 and r["held_bytes"] + r["live_bytes"] >= model > r["held_bytes"], r
         assert r["producer_delta_payload_bytes"] == r["wire_bytes"], r
+        assert model <= r["producer_history_bytes"] < model * 1.01, r  # the trainer keeps the bases once, no journal
     assert out["dense_bytes"] == model and out["delta_bytes"] * 5 < model
     assert out["first_sync_bytes"] == {"dense": model, "delta": model}

@@ -36,7 +36,8 @@ def _why(r: dict) -> list:
 def test_delta_sync_exact_small_heals_restarts_and_rolls_back() -> None:
     spec = {"kind": "zoo", "cfg": asdict(CFG), "changed": 0.002}
     with LocalCluster(CFG, producers=2, replicas=2, tp=1, lease_s=LEASE, timeout_s=8 * LEASE,
-                      max_chunk_bytes=32 << 10, spec=spec, delta=True) as cl:
+                      max_chunk_bytes=32 << 10, spec=spec, delta=True,
+                      producer_extra={"delta_budget_bytes": 64 << 20}) as cl:  # room for an undo journal
         r = cl.sync(1)
         assert r["exact"], _why(r)
         dense = {k: c["bytes_received"] for k, c in _by(r).items()}
@@ -64,8 +65,8 @@ def test_delta_sync_exact_small_heals_restarts_and_rolls_back() -> None:
         assert _by(r)["r1/tp0"]["delta_chunks"] == 0 and _by(r)["r1/tp0"]["bytes_received"] == dense["r1/tp0"]
         assert _by(r)["r0/tp0"]["delta_dense_chunks"] == 0
 
-        # a version that fails mid-serve (producer 1 dies): producer 0 rolls its history back, so the next version's
-        # deltas apply to what consumers hold (no checksum heal) and every sync is exact
+        # a version that fails mid-serve (producer 1 dies): producer 0 rolls its history back (its journal restores
+        # the bases), so the next version's deltas apply to what consumers hold (no checksum heal), all exact
         r = cl.sync(7, faults={1: {"die_after_groups": 1}}, tolerate=True)
         assert not r["exact"]
         cl.restart(1)
@@ -108,14 +109,19 @@ def test_delta_bases_read_back_from_the_parameters_keep_no_held_copy_and_heal() 
         poked = _by(r)["r0/tp1"]
         assert poked["delta_heals"] > 0 and poked["delta_heals"] == poked["delta_dense_chunks"], poked
 
+        # a failed version with the default history (no undo journal): producer 0's chunks encoded in it have no
+        # base next version and go dense once — never a delta against bytes no consumer committed (no heal)
         r = cl.sync(6, faults={1: {"die_after_groups": 1}}, tolerate=True)
         assert not r["exact"]
         cl.restart(1)
         for v in (7, 8):
             r = cl.sync(v)
             assert r["exact"], _why(r)
+            assert all(c["delta_heals"] == 0 for c in r["consumers"]), (v, r["consumers"])
         for k, c in _by(r).items():  # back on deltas from both producers
             assert c["delta_dense_chunks"] == 0 and c["delta_heals"] == 0 and c["bytes_received"] * 10 <= dense[k], c
+        for p in r["producers"]:  # the bases once (1.0x the served share), no journal
+            assert 0 < p["delta_history_bytes"] == p["delta_budget_bytes"], p
 
 
 def _layout() -> GroupLayout:
@@ -198,18 +204,26 @@ def test_delta_sender_budget_refused_and_offers_only_smaller_deltas() -> None:
     units = {"g": [SimpleNamespace(digest="d", chunk=c) for c in lay.chunks]}
     with pytest.raises(DeltaBudgetError):
         DeltaSender(units, device=torch.device("cpu"), budget_bytes=4096)
-    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
-    u = units["g"][0]
-    region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
-    s.begin(1)
-    assert s.offer("g", [(u, region, None)], area, 8192)[0] is None  # no base: dense only
-    s.commit(1)
-    s.begin(2)
-    region[10] = 7
-    entry = s.offer("g", [(u, region, None)], area, 8192)[0]
-    assert entry is not None and entry[:5] == [0, 8192, 1, 1, 1]  # pairs, one word, against version 1
-    s.rollback()  # version 2 failed: version 1 stays the base, byte for byte
-    assert s.history.version(("d", "g", 0)) == 1 and int(s.history.held(("d", "g", 0)).sum()) == 0
+    need = 4096 + 1024  # both chunks, aligned
+    for budget in (None, 2 * need):  # the default keeps the bases once, no journal; twice buys a whole journal
+        s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=budget)
+        u = units["g"][0]
+        region, area = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+        s.begin(1)
+        assert s.offer("g", [(u, region, None)], area, 8192)[0] is None  # no base: dense only
+        s.commit(1)
+        assert s.stats()["delta_history_bytes"] == (need if budget is None else 2 * need), s.stats()
+        s.begin(2)
+        region[10] = 7
+        entry = s.offer("g", [(u, region, None)], area, 8192)[0]
+        assert entry is not None and entry[:5] == [0, 8192, 1, 1, 1]  # pairs, one word, against version 1
+        s.rollback()  # version 2 failed: never a base
+        if budget is None:  # no undo: the chunk has no base, its next version goes dense
+            assert s.history.version(("d", "g", 0)) is None
+            s.begin(3)
+            assert s.offer("g", [(u, region, None)], area, 8192)[0] is None
+        else:  # the journal restores version 1 byte for byte
+            assert s.history.version(("d", "g", 0)) == 1 and int(s.history.held(("d", "g", 0)).sum()) == 0
 
 
 def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_the_base() -> None:

@@ -5,8 +5,10 @@ group, chunk index), built on the ring's device at ``_assign`` (again after a pl
 gone and the next version goes dense). Each ring slot holds the dense bytes at ``unit.slot_offset`` as before, then
 a **delta area** of a quarter of them (:func:`area_bytes`): the slot's payloads are placed one after the other, and a
 chunk whose payload does not fit in what is left goes dense (``delta_too_large``). Memory: the history (every served
-chunk once, plus its undo journal, together ``delta_budget_bytes``; default the chunks and an eighth more; allocated
-at the first chunk some member may read as a delta) and the delta areas (a quarter of the dense ring).
+chunk once, ``delta_budget_bytes``; default exactly that: no undo journal, so a failed version's encoded chunks have
+no base next version and go dense once; a budget beyond the chunks buys a journal of up to as much again, which
+restores their bases instead; allocated at the first chunk some member may read as a delta) and the delta areas (a
+quarter of the dense ring).
 
 Per version (``ProducerSync``): ``begin`` before the first pack; after a group is packed (on the publisher, after
 the pack's event: its host syncs are not on the serving thread) :meth:`offer` encodes its chunks together and,
@@ -40,9 +42,6 @@ ENTRY_LEN = 7
 AREA_SHARE = 4
 """A slot's delta area is a quarter of its dense bytes: room for pairs up to ~8 % of a bf16 chunk's words changed
 (a bitmap up to ~19 %), summed over the slot's chunks; more goes dense."""
-JOURNAL_SHARE = 8
-"""Default ``delta_budget_bytes``: the chunks once plus this share of them for the undo journal (a chunk whose undo
-does not fit is dropped on rollback: its next chunk goes dense)."""
 
 
 class DeltaSender:
@@ -52,7 +51,7 @@ class DeltaSender:
                  host: bool = False):
         self.sizes = {(u.digest, g, u.chunk.index): u.chunk.nbytes for g, us in units.items() for u in us}
         need = sum(codec_align(n) for n in self.sizes.values())
-        self.budget = need + need // JOURNAL_SHARE if budget_bytes is None else budget_bytes
+        self.budget = need if budget_bytes is None else budget_bytes  # default: the bases once, no undo journal
         if self.budget < need:
             raise DeltaBudgetError(budget=self.budget, need=need)  # refused at init, not at the first encode
         if device.type == "cuda":  # the encode runs where the chunks lie: its kernels compiled now, not in a sync

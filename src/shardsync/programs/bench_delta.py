@@ -106,6 +106,7 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
                    "applied_bytes": sum(g["bytes_received"] for g in got), "exact": exact,
                    "held_bytes": _sum(g.get("delta_held_bytes") for g in got),
                    "live_bytes": _sum(g.get("delta_live_bytes") for g in got),
+                   "producer_history_bytes": prod.get("delta_history_bytes"),  # the trainer's delta memory
                    "producer_delta_offered": prod.get("delta_offered"),
                    "producer_delta_payload_bytes": prod.get("delta_payload_bytes")}
             if fresh_engine_at_end and v == versions:

@@ -68,8 +68,10 @@ class ProducerConfig(GroupSettings):
     """Serve groups where the trainer's tensors lie to consumers that map this rank's memory (``source_share.py``: no
     pack pass, no ring slot). None: on for a GPU ring; needs no checksums, ``mac`` or delta."""
     delta_budget_bytes: int | None = None
-    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal); None: the
-    chunks and an eighth more. Refused at init (``DeltaBudgetError``) when the chunks alone do not fit."""
+    """Most bytes the delta history may keep (the served chunks once, the rest for its undo journal, up to as much
+    again); None: the chunks once, no journal — the served bytes of the model's share, and a failed version's
+    encoded chunks go dense once next version (a journal restores their bases instead). Refused at init
+    (``DeltaBudgetError``) when the chunks alone do not fit."""
     delta_host_history: bool = False
     """Keep the delta history in pinned host memory rather than on a GPU ring's device: no device bytes for the
     bases; each encode copies its chunk's base to the device and the changes back (about the model's bytes over
