@@ -37,5 +37,12 @@ def test_bench_delta_reads_fewer_bytes_and_every_sync_equals_a_fresh_load():
         assert r["live_bytes"] > 0 and r["held_bytes"] + r["live_bytes"] >= model > r["held_bytes"], r
         assert r["producer_delta_payload_bytes"] == r["wire_bytes"], r
         assert model <= r["producer_history_bytes"] < model * 1.01, r  # the trainer keeps the bases once, no journal
+        assert 0 < r["producer_delta_area_need_bytes"] <= r["producer_delta_area_bytes"], r  # every payload fit
+    # version 2's deltas sized the delta areas (a quarter of a slot at first): kept where they needed over a quarter
+    # of it, else shrunk (and the ring with them) for version 3
+    v2, v3 = delta[1], delta[2]
+    a2, n2, ring2 = v2["producer_delta_area_bytes"], v2["producer_delta_area_need_bytes"], v2["producer_ring_bytes"]
+    a3, ring3 = v3["producer_delta_area_bytes"], v3["producer_ring_bytes"]
+    assert (a3 == a2 and ring3 == ring2) if 4 * n2 >= a2 else (2 * n2 <= a3 < a2 and ring3 < ring2), delta
     assert out["dense_bytes"] == model and out["delta_bytes"] * 5 < model
     assert out["first_sync_bytes"] == {"dense": model, "delta": model}

@@ -44,12 +44,22 @@ def test_delta_sync_exact_small_heals_restarts_and_rolls_back() -> None:
         assert all(c["delta_chunks"] == 0 and c["delta_dense_chunks"] > 0 for c in r["consumers"])
         assert all(p["ring_bytes"] > 0 and p["delta_history_bytes"] > 0 for p in r["producers"])
 
+        rings = []
         for v in (2, 3, 4):  # only the changed words travel
             r = cl.sync(v)
             assert r["exact"], _why(r)
             for k, c in _by(r).items():
                 assert c["delta_dense_chunks"] == 0 and c["delta_heals"] == 0, c
                 assert c["bytes_received"] * 10 <= dense[k], (k, c["bytes_received"], dense[k])
+            rings.append([(p["ring_bytes"], p["delta_area_bytes"], p["delta_area_need_bytes"], p["slot_bytes"])
+                          for p in r["producers"]])
+        # version 2's deltas sized the areas (a quarter of each slot at first): from version 3 on, rings of dense
+        # slots plus twice what one slot's deltas needed, swapped on the same transport; every delta still fit
+        for (ring2, area2, need2, slot2), (ring3, area3, _, slot3), (ring4, area4, need4, _) in zip(*rings):
+            floor = -(-((slot2 - area2) // 64) // 64) * 64  # 1/64 of the dense bytes, aligned
+            assert 0 < need2 and area3 == max(2 * need2, floor) < area2, rings
+            assert slot3 - slot2 == area3 - area2 and ring3 // slot3 == ring2 // slot2 > 1, rings
+            assert need4 <= area4, rings
 
         # a payload byte flipped in transit: caught by the checksum, the dense bytes read in the same sync
         r = cl.sync(5, faults={"r0/tp0": {"flip_at_chunk": 1}})
@@ -249,6 +259,68 @@ def test_a_delta_that_does_not_fit_the_slots_area_goes_dense_and_still_becomes_t
     region[1000] = 5  # one more word: fits
     entry = s.offer("g", [(u, region, None)], area, 8192)[0]
     assert entry is not None and entry[4] == 2 and entry_payload_bytes(entry, 4096) == 6  # against version 2's bytes
+
+
+def test_the_delta_area_is_sized_by_what_the_last_version_needed() -> None:
+    """``DeltaSender.area_for``: nothing to say before a version with bases; then twice the most one slot's deltas
+    needed (those that went dense for lack of room counted), within 1/64 and 1/2 of the dense bytes; it grows at
+    once, shrinks only below a quarter; no area after a version no member read as deltas, a quarter again after a
+    first version some member reads as deltas; a failed version changes nothing."""
+    from shardsync.delta import codec
+    from shardsync.delta.sender import DeltaSender, area_bytes
+    from shardsync.plan.pack import ALIGN
+
+    dense_slot = 1 << 15  # floor 512, first area 8,192, cap 16,384
+    c = [Chunk(index=i, start=4096 * i, nbytes=4096, first=i, stop=i + 1) for i in range(4)]
+    units = {"g": [SimpleNamespace(digest="d", chunk=x) for x in c]}
+    s = DeltaSender(units, device=torch.device("cpu"), budget_bytes=None)
+    s.area = area_bytes(dense_slot)
+    regions = [torch.zeros(4096, dtype=torch.uint8) for _ in c]
+    area = torch.zeros(dense_slot // 2, dtype=torch.uint8)
+
+    def version(v: int, changed_words: int, *, fail: bool = False) -> list:
+        s.begin(v)
+        for r in regions:
+            r[0: 2 * changed_words: 2] += 1
+        got = s.offer("g", [(u, r, None) for u, r in zip(units["g"], regions)], area[: s.area], 0)
+        s.rollback() if fail else s.commit(v)
+        return got
+
+    def need(words: int) -> int:  # four chunks' payloads, each at an aligned offset
+        size = codec.payload_nbytes(codec.choose(4096, words), 4096, words)
+        return 4 * ((size + ALIGN - 1) // ALIGN * ALIGN)
+
+    version(1, 0)  # no bases: nothing learnt
+    assert s.area_for(dense_slot) is None
+    version(2, 10)  # 60 bytes of pairs a chunk
+    assert s.stats()["delta_area_need_bytes"] == need(10) == 4 * ALIGN and s.stats()["delta_too_large"] == 0
+    assert s.area_for(dense_slot) == dense_slot // 64  # twice the need is the floor
+    assert s.area_for(dense_slot) is None  # acted on once
+    s.area = dense_slot // 64
+    version(3, 300, fail=True)  # a failed version says nothing (and, with no journal, leaves no bases)
+    assert s.area_for(dense_slot) is None
+    version(4, 0)  # read dense: no bases, nothing learnt
+    assert s.area_for(dense_slot) is None
+    got = version(5, 300)  # 856-byte bitmaps: none fits the 512-byte area
+    assert got == [None] * 4 and s.stats()["delta_too_large"] == 4
+    assert s.stats()["delta_area_need_bytes"] == need(300) and s.area_for(dense_slot) == 2 * need(300)  # grown
+    s.area = 2 * need(300)
+    got = version(6, 300)
+    assert all(e is not None for e in got) and s.area_for(dense_slot) is None  # it fits: kept
+    version(7, 2)  # the area is over four times what was needed: it shrinks to the floor
+    assert s.area_for(dense_slot) == dense_slot // 64
+    s.area = dense_slot // 64
+    version(8, 1500)  # twice what the bitmaps need is above half the dense bytes: the cap
+    assert need(1500) < dense_slot // 2 < 2 * need(1500) and s.area_for(dense_slot) == dense_slot // 2
+    s.area = dense_slot // 2
+    s.begin(9)  # no member reads deltas: the bases go, and the area
+    for u in units["g"]:
+        s.skip(u, "g")
+    s.commit(9)
+    assert s.area_for(dense_slot) == 0 and s.stats()["delta_history_bytes"] == 0
+    s.area = 0
+    version(10, 3)  # a member reads deltas again: a first version (no bases), the first area back
+    assert s.area_for(dense_slot) == area_bytes(dense_slot)
 
 
 def test_a_groups_chunks_are_offered_together_their_payloads_one_after_another() -> None:

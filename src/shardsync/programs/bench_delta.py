@@ -108,7 +108,10 @@ def _run_pass(*, delta: bool, versions: int, weights: Callable[[int], tuple[dict
                    "live_bytes": _sum(g.get("delta_live_bytes") for g in got),
                    "producer_history_bytes": prod.get("delta_history_bytes"),  # the trainer's delta memory
                    "producer_delta_offered": prod.get("delta_offered"),
-                   "producer_delta_payload_bytes": prod.get("delta_payload_bytes")}
+                   "producer_delta_payload_bytes": prod.get("delta_payload_bytes"),
+                   "producer_ring_bytes": prod.get("ring_bytes"),  # its dense slots and their delta areas
+                   "producer_delta_area_bytes": prod.get("delta_area_bytes"),
+                   "producer_delta_area_need_bytes": prod.get("delta_area_need_bytes")}
             if fresh_engine_at_end and v == versions:
                 ok, bad, n = check_against_fresh(engines, served, tag="-delta" if delta else "-dense")
                 row.update(fresh_engine_exact=ok, fresh_engine_compared=n, fresh_engine_differs=bad[:5])

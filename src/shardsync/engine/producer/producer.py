@@ -269,6 +269,8 @@ class Producer:
         self.layout = RingLayout(
             units=units, schedule=schedule, ring=ring, n_slots=n_slots, slot_bytes=slot_bytes, dense_slot=dense_slot,
             delta=delta, unit_sources={g: sorted(frozenset().union(*(u.sources for u in us))) for g, us in units.items()})
+        if delta is not None:
+            delta.area = slot_bytes - dense_slot  # a kept ring's slots may be larger than this plan's
         self.epoch = asg.epoch
         budget = budget_for(self.metas, cfg.sync_memory_bytes)
         if budget and ring.numel() > budget:  # plans recorded unsplit, or many distinct plans of one group
@@ -325,6 +327,25 @@ class Producer:
         self.layout = replace(lay, ring=ring, released=False)
         del lay
         self.stats.update(ring_bytes=ring.numel(), ring_released=False)
+
+    def _area_for(self) -> None:
+        """At a version's start, with delta sync: the slots' delta areas sized by the last completed version
+        (``DeltaSender.area_for``), the ring swapped on the same transport where they change. A transport passed
+        in cannot be re-registered: its areas stay as first allocated."""
+        lay = self.layout
+        if lay is None or lay.delta is None or lay.released or not self._own_transport:
+            return
+        area = lay.delta.area_for(lay.dense_slot)
+        if area is None or area == lay.slot_bytes - lay.dense_slot:
+            return
+        slot, delta = lay.dense_slot + area, lay.delta
+        self.layout, lay = None, replace(lay, ring=torch.empty(0, dtype=torch.uint8))  # the old ring goes first
+        ring = self._new_ring(lay.n_slots * slot)
+        self.layout = replace(lay, ring=ring, slot_bytes=slot)
+        delta.area = area
+        del lay
+        self.stats.update(ring_bytes=ring.numel(), slot_bytes=slot, delta_area_bytes=area)
+        log.info("producer %d: delta areas of %d bytes a slot (ring %d bytes)", self.cfg.rank, area, ring.numel())
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":
@@ -398,6 +419,7 @@ class Producer:
         st = self.table.begin(version, {c: (d, s) for c, (d, s) in view.members.items() if d in digests},
                               incarnations={int(p["rank"]): int(p["incarnation"]) for p in view.producers})
         self._ring_for(st)  # before ProducerReady: the descriptor it sends is this version's
+        self._area_for()
         self.client.call(m.ProducerReady(rank=self.cfg.rank, incarnation=self.incarnation, version=version,
                                          desc=self.desc), timeout_s=quick)
         return st
