@@ -9,11 +9,13 @@ other, and a chunk whose payload does not fit in what is left goes dense (``delt
 its ring on the same transport): twice the most bytes one slot's deltas needed in the last completed version (those
 that went dense for lack of room counted), at least 1/64 of the dense bytes and at most half; it grows at once when
 something did not fit and shrinks when it is over four times what was needed; no area after a version in which no
-member read a delta (a colocated engine reading in place), a quarter again after one in which a member did. Memory: the history (every served
-chunk once, ``delta_budget_bytes``; default exactly that: no undo journal, so a failed version's encoded chunks have
-no base next version and go dense once; a budget beyond the chunks buys a journal of up to as much again, which
-restores their bases instead; allocated at the first chunk some member may read as a delta) and the delta areas
-(``delta_area_bytes`` a slot; ``delta_area_need_bytes``: what the version's deltas needed of one).
+member read a delta (a colocated engine reading in place), a quarter again after one in which a member did.
+
+Memory: the history (every served chunk once, ``delta_budget_bytes``; default exactly that: no undo journal, so a
+failed version's encoded chunks have no base next version and go dense once; a budget beyond the chunks buys a
+journal of up to as much again, which restores their bases instead; allocated at the first chunk some member may
+read as a delta) and the delta areas (``delta_area_bytes`` a slot; ``delta_area_need_bytes``: what the version's
+deltas needed of one).
 
 Per version (``ProducerSync``): ``begin`` before the first pack; after a group is packed (on the publisher, after
 the pack's event: its host syncs are not on the serving thread) :meth:`offer` encodes its chunks together and,
