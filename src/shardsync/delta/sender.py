@@ -172,6 +172,7 @@ class DeltaSender:
         need = 0
         for (unit, region, _), base, (enc, at) in zip(chunks, bases, encs):
             h = enc.header
+            kind = None  # the form the chunk's changes call for, where it had a base
             if base is not None and enc.changed is not None:
                 self.with_base += 1
                 kind = codec.choose(region.numel(), enc.changed)
@@ -179,8 +180,7 @@ class DeltaSender:
                     need += codec_align(codec.payload_nbytes(kind, region.numel(), enc.changed))
             if h.kind == codec.DENSE:
                 self.dense += 1
-                self.too_large += base is not None and enc.changed is not None and \
-                    codec.choose(region.numel(), enc.changed) != codec.DENSE
+                self.too_large += kind not in (None, codec.DENSE)  # a delta with no room left in the area
                 out.append(None)
                 continue
             self.offered += 1
