@@ -306,11 +306,9 @@ class Producer:
         if lay is None or lay.released or self.shares is None or not self._own_transport or lay.delta is not None \
                 or not lay.order or not lay.by_source.issuperset(lay.order):
             return
-        self.layout = None
-        ring = self._new_ring(0)
-        self.layout = replace(lay, ring=ring, released=True)
         del lay
-        self.stats.update(ring_bytes=ring.numel(), ring_released=True)
+        self._swap_ring(0, released=True)
+        self.stats.update(ring_released=True)
         log.info("producer %d: every group was served from the trainer's tensors: ring released", self.cfg.rank)
 
     def _ring_for(self, st: VersionState) -> None:
@@ -322,11 +320,10 @@ class Producer:
         if st.members and all(self.table.reads_sources.get(c) for c in st.members) \
                 and lay.by_source.issuperset(lay.order):
             return
-        self.layout = None
-        ring = self._new_ring(lay.n_slots * lay.slot_bytes)
-        self.layout = replace(lay, ring=ring, released=False)
+        nbytes = lay.n_slots * lay.slot_bytes
         del lay
-        self.stats.update(ring_bytes=ring.numel(), ring_released=False)
+        self._swap_ring(nbytes, released=False)
+        self.stats.update(ring_released=False)
 
     def _area_for(self) -> None:
         """At a version's start, with delta sync: the slots' delta areas sized by the last completed version
@@ -338,14 +335,23 @@ class Producer:
         area = lay.delta.area_for(lay.dense_slot)
         if area is None or area == lay.slot_bytes - lay.dense_slot:
             return
-        slot, delta = lay.dense_slot + area, lay.delta
-        self.layout, lay = None, replace(lay, ring=torch.empty(0, dtype=torch.uint8))  # the old ring goes first
-        ring = self._new_ring(lay.n_slots * slot)
-        self.layout = replace(lay, ring=ring, slot_bytes=slot)
-        delta.area = area
+        slot, nbytes, delta = lay.dense_slot + area, lay.n_slots * (lay.dense_slot + area), lay.delta
         del lay
-        self.stats.update(ring_bytes=ring.numel(), slot_bytes=slot, delta_area_bytes=area)
+        ring = self._swap_ring(nbytes, slot_bytes=slot)
+        delta.area = area
+        self.stats.update(slot_bytes=slot, delta_area_bytes=area)
         log.info("producer %d: delta areas of %d bytes a slot (ring %d bytes)", self.cfg.rank, area, ring.numel())
+
+    def _swap_ring(self, nbytes: int, **changes: Any) -> torch.Tensor:
+        """The ring replaced by a new one of ``nbytes`` (:meth:`_new_ring`; released, brought back or resized), the
+        layout's other fields changed as given. The layout lets go of the old ring first (the transport holds it
+        until it retires it); returns the new one."""
+        lay = replace(self.layout, ring=torch.empty(0, dtype=torch.uint8))
+        self.layout = None
+        ring = self._new_ring(nbytes)
+        self.layout = replace(lay, ring=ring, **changes)
+        self.stats.update(ring_bytes=ring.numel())
+        return ring
 
     # ------------------------------------------------------------------ sync
     def sync(self, version: int, *, block: bool = True) -> "dict[str, Any] | PendingSync":
